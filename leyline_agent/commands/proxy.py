@@ -1,0 +1,7 @@
+"""`leyline proxy`: see the function docstrings. Heavy imports stay inside the commands."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False)

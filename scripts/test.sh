@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Lint, format check and the whole test suite (CPU; starts a real SGLang server on loopback).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest -q -rs "$@"
