@@ -1,0 +1,57 @@
+"""Build the SGLang command line that ``leyline serve`` runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def server_command(
+    model_path: Path,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    dummy: bool,
+    dtype: str | None,
+    max_total_tokens: int | None,
+    extra: list[str],
+    cpu: bool,
+) -> tuple[list[str], dict[str, str]]:
+    """The ``python -m sglang.launch_server`` argv and the environment to run it with."""
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--radix-cache-backend", "leyline",
+        "--enable-cache-report",
+        "--disable-overlap-schedule",
+        "--tool-call-parser", "qwen25",
+    ]  # fmt: skip
+    if dummy:
+        argv += ["--load-format", "dummy"]
+    if dtype:
+        argv += ["--dtype", dtype]
+    if max_total_tokens:
+        argv += ["--max-total-tokens", str(max_total_tokens)]
+    env = dict(os.environ)
+    if cpu:
+        argv += [
+            "--device", "cpu",
+            "--attention-backend", "torch_native",
+            "--disable-cuda-graph",
+            "--sleep-on-idle",
+        ]  # fmt: skip
+        env["LEYLINE_CPU_DEV"] = "1"
+        env.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    argv += extra
+    return argv, env

@@ -1,0 +1,104 @@
+"""The Leyline general plugin for SGLang (entry-point group ``sglang.srt.plugins``).
+
+SGLang's ``load_plugins()`` calls :func:`register` in every SGLang process (HTTP server, scheduler,
+detokenizer), then applies the hooks. Each hook is small and named for what it changes:
+
+- ``register_radix_backend``: ``--radix-cache-backend leyline`` (``radix.LeylineRadixCache``).
+- ``add_splice_dispatch`` (AFTER ``Scheduler.init_request_dispatcher``): the scheduler answers
+  ``SpliceReqInput`` / ``StatsReqInput`` between batches.
+- ``add_communicators``: the tokenizer manager gets ``leyline_splice_communicator`` and
+  ``leyline_stats_communicator`` (``_COMMUNICATOR_SPECS``, read when it is built).
+- ``add_http_routes`` (main process only): ``POST /leyline/splice``, ``GET /leyline/stats``.
+- ``cpu_dev.apply`` when ``LEYLINE_CPU_DEV=1``.
+
+Route: the same as SGLang's own control requests (``/flush_cache``): HTTP handler -> tokenizer
+manager communicator -> ZMQ -> scheduler dispatcher -> handler -> reply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+from typing import Any
+
+from leyline_agent.backends.sglang import cpu_dev
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Plugin entry point. Safe to call more than once per process."""
+    if cpu_dev.enabled():
+        cpu_dev.apply()
+    register_radix_backend()
+    register_io_types()
+    add_communicators()
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
+        add_splice_dispatch,
+        HookType.AFTER,
+    )
+    if multiprocessing.parent_process() is None:
+        add_http_routes()
+
+
+def register_radix_backend() -> None:
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+
+    from leyline_agent.backends.sglang.radix import BACKEND_NAME, leyline_radix_cache_factory
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, leyline_radix_cache_factory)
+
+
+def register_io_types() -> None:
+    from sglang.srt.managers.io_struct import hook_custom_types
+
+    from leyline_agent.backends.sglang import protocol as p
+
+    hook_custom_types(p.SpliceReqInput, p.SpliceReqOutput, p.StatsReqInput, p.StatsReqOutput)
+
+
+def add_communicators() -> None:
+    from sglang.srt.managers import tokenizer_control_mixin as tcm
+
+    from leyline_agent.backends.sglang import protocol as p
+
+    names = {spec[0] for spec in tcm._COMMUNICATOR_SPECS}
+    for name, out_type in [("leyline_splice", p.SpliceReqOutput), ("leyline_stats", p.StatsReqOutput)]:
+        if name not in names:
+            tcm._COMMUNICATOR_SPECS.append((name, out_type))
+
+
+def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook: route Leyline control requests to this scheduler's executor."""
+    from sglang.utils import TypeBasedDispatcher
+
+    from leyline_agent.backends.sglang import protocol as p
+    from leyline_agent.backends.sglang.splice import SpliceExecutor
+
+    executor = SpliceExecutor(scheduler)
+
+    def on_splice(req: p.SpliceReqInput) -> p.SpliceReqOutput:
+        status, body = executor.handle(req.payload)
+        return p.SpliceReqOutput(status=status, body=body)
+
+    def on_stats(req: p.StatsReqInput) -> p.StatsReqOutput:
+        return p.StatsReqOutput(body=json.dumps(executor.stats()))
+
+    scheduler._request_dispatcher += TypeBasedDispatcher(
+        [(p.SpliceReqInput, on_splice), (p.StatsReqInput, on_stats)]
+    )
+    return result
+
+
+def add_http_routes() -> None:
+    from leyline_agent.backends.sglang.routes import add_routes
+
+    add_routes()

@@ -1,0 +1,47 @@
+"""HTTP routes added to SGLang's FastAPI app (main process only).
+
+No ``from __future__ import annotations`` here: FastAPI resolves the handlers' annotations at
+registration time.
+"""
+
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sglang.srt.entrypoints import http_server
+
+from leyline_agent.backends.sglang import protocol as p
+
+
+def _tokenizer_manager():
+    tm = http_server.get_global_state().tokenizer_manager
+    tm.auto_create_handle_loop()
+    return tm
+
+
+async def splice(request: Request) -> JSONResponse:
+    """Execute AMORTIZE / FORGET directives on a cached sequence (body: ``SpliceRequest``)."""
+    raw = await request.body()
+    try:
+        body = p.SpliceRequest.model_validate_json(raw)
+    except ValidationError as e:
+        detail = json.loads(e.json(include_url=False))
+        return JSONResponse({"error": "invalid splice request", "detail": detail}, status_code=422)
+    req = p.SpliceReqInput(payload=body.model_dump_json())
+    out = (await _tokenizer_manager().leyline_splice_communicator(req))[0]
+    return JSONResponse(json.loads(out.body), status_code=out.status)
+
+
+async def stats() -> JSONResponse:
+    """Allocator and tree counters (free + cached + in use == total)."""
+    out = (await _tokenizer_manager().leyline_stats_communicator(p.StatsReqInput()))[0]
+    return JSONResponse(json.loads(out.body))
+
+
+def add_routes() -> None:
+    """Idempotent."""
+    if any(getattr(r, "path", None) == "/leyline/splice" for r in http_server.app.routes):
+        return
+    http_server.app.add_api_route("/leyline/splice", splice, methods=["POST"])
+    http_server.app.add_api_route("/leyline/stats", stats, methods=["GET"])
