@@ -24,8 +24,10 @@ def serve(
     ctx: typer.Context,
     model_path: Annotated[
         Path | None,
-        typer.Option(help="Hugging Face model directory. Default: the embedded tiny DeepSeek-V2 "
-                     "(random weights: mechanics, not quality)."),
+        typer.Option(
+            help="Hugging Face model directory. Default: the embedded tiny DeepSeek-V2 "
+            "(random weights: mechanics, not quality)."
+        ),
     ] = None,
     port: Annotated[int, typer.Option(help="HTTP port.")] = 30000,
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",

@@ -71,7 +71,10 @@ def add_communicators() -> None:
     from leyline_agent.backends.sglang import protocol as p
 
     names = {spec[0] for spec in tcm._COMMUNICATOR_SPECS}
-    for name, out_type in [("leyline_splice", p.SpliceReqOutput), ("leyline_stats", p.StatsReqOutput)]:
+    for name, out_type in [
+        ("leyline_splice", p.SpliceReqOutput),
+        ("leyline_stats", p.StatsReqOutput),
+    ]:
         if name not in names:
             tcm._COMMUNICATOR_SPECS.append((name, out_type))
 

@@ -152,7 +152,9 @@ class SpliceExecutor:
         old_pos = torch.arange(old.start, old.stop, dtype=torch.int64, device=dev)
         delta_rotate(self._kv_buffers(), src, dst, old_pos, old_pos + delta, spec, band)
 
-    def _prefill(self, tokens: list[int], prefix: torch.Tensor, extra_key: str | None) -> torch.Tensor:
+    def _prefill(
+        self, tokens: list[int], prefix: torch.Tensor, extra_key: str | None
+    ) -> torch.Tensor:
         """Run ``tokens[len(prefix):]`` through SGLang's extend path with ``prefix`` (slot indices)
         as the cached context. Returns the new tokens' slots (the caller owns them)."""
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch

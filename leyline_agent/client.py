@@ -1,0 +1,127 @@
+"""HTTP client for a Leyline-enabled SGLang server (``leyline serve``). Pure httpx.
+
+Endpoints: ``POST /leyline/splice`` (see ``backends/sglang/protocol.py`` for the body and the
+response fields), ``GET /leyline/stats``, and SGLang's own ``POST /generate`` with ``input_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import httpx
+
+from leyline_agent.directive import Directive
+
+
+class SpliceRejected(RuntimeError):
+    """The server refused or failed a splice; the cache is unchanged.
+
+    status: HTTP status (400/422 bad input, 409 not cached or in use, 501 no plugin, 503 pool
+    exhausted, 500 failed and rolled back, 0 backend unreachable).
+    """
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"splice rejected ({status}): {message}")
+        self.status = status
+        self.message = message
+
+
+class SpliceResult(NamedTuple):
+    new_length: int
+    prefix_reused: int
+    prefilled: int
+    rotated: int
+    copied: int
+    purged: int
+    in_place: bool
+    elapsed_ms: float
+    http_ms: float
+
+
+class GenerateResult(NamedTuple):
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    e2e_ms: float
+    meta: dict[str, Any]
+
+
+class LeylineClient:
+    """``LeylineClient("http://127.0.0.1:30000")``. Thread-safe (one httpx.Client)."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def splice(
+        self,
+        tokens: Sequence[int],
+        directives: Sequence[Directive],
+        *,
+        extra_key: str | None = None,
+        **extra: Any,
+    ) -> SpliceResult:
+        """Run directives on the cached ``tokens``. Raises :class:`SpliceRejected`."""
+        body = {
+            "tokens": list(tokens),
+            "directives": [d.model_dump(mode="json") for d in directives],
+            "extra_key": extra_key,
+            **extra,
+        }
+        t0 = time.perf_counter()
+        try:
+            r = self.http.post("/leyline/splice", json=body)
+        except httpx.HTTPError as e:
+            raise SpliceRejected(0, f"backend unreachable: {e}") from e
+        http_ms = (time.perf_counter() - t0) * 1e3
+        if r.status_code == 404:
+            raise SpliceRejected(
+                404, "backend has no /leyline/splice (not started by leyline serve)"
+            )
+        try:
+            data = r.json()
+        except ValueError:
+            raise SpliceRejected(r.status_code, r.text[:500]) from None
+        if r.status_code != 200:
+            raise SpliceRejected(r.status_code, str(data.get("error", data)))
+        fields = {k: data[k] for k in SpliceResult._fields if k in data}
+        fields.setdefault("copied", 0)
+        fields.setdefault("purged", 0)
+        return SpliceResult(**fields, http_ms=http_ms)
+
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        *,
+        extra_key: str | None = None,
+        max_new_tokens: int = 1,
+        **sampling: Any,
+    ) -> GenerateResult:
+        """SGLang ``/generate`` with token ids, greedy by default. Raises ``httpx.HTTPError``."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
+        if extra_key is not None:
+            body["extra_key"] = extra_key
+        t0 = time.perf_counter()
+        r = self.http.post("/generate", json=body)
+        r.raise_for_status()
+        e2e = (time.perf_counter() - t0) * 1e3
+        data = r.json()
+        meta = data.get("meta_info", {})
+        return GenerateResult(
+            output_ids=list(data.get("output_ids") or []),
+            prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            e2e_ms=e2e,
+            meta=meta,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        r = self.http.get("/leyline/stats")
+        r.raise_for_status()
+        return r.json()
