@@ -1,0 +1,261 @@
+"""One conversation against a Leyline backend: policy → diff → splice → request → bookkeeping.
+
+This is the single code path shared by the in-process API (:class:`LeylineSession`), the proxy
+and ``leyline replay``. Pure Python (httpx); no torch, no sglang.
+
+Per turn::
+
+    pending = core.begin(messages, tools)   # policy + diff; POST /leyline/splice when enabled
+    ...send pending.plan.messages (chat) or pending.plan.tokens (/generate), namespaced...
+    record = core.finish(pending, prompt_tokens=..., cached_tokens=..., request_ms=...)
+
+If a splice cannot run (backend restarted, entry evicted, backend without the plugin) the request
+is still sent: the answer stays correct and the turn counts as a miss (``record.splice_error``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from leyline_agent.client import GenerateResult, LeylineClient, SpliceRejected, SpliceResult
+from leyline_agent.directive import Mode
+from leyline_agent.wrapper import ConversationWrapper, TurnPlan
+
+
+class TurnRecord(BaseModel):
+    """Counters of one turn (tokens are counts; times in milliseconds)."""
+
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    splice_prefilled: int = 0
+    rotated_tokens: int = 0
+    best_cached_tokens: int
+    directives_amortize: int = 0
+    directives_forget: int = 0
+    edited: bool = False
+    spliced: bool = False
+    splice_error: str | None = None
+    splice_ms: float = 0.0
+    request_ms: float = 0.0
+    ttft_ms: float | None = None
+    first_token: int | None = None
+
+
+@dataclass
+class Pending:
+    plan: TurnPlan
+    splice: SpliceResult | None
+    splice_error: str | None
+    splice_ms: float
+    t_start: float
+
+
+class SessionCore:
+    """Policy, diff and splice for one session; owns its backend namespace (``extra_key``).
+
+    Args:
+        client: the backend.
+        wrapper: the session's ConversationWrapper (holds the policy and the renderer).
+        session_id: stable id; the namespace is ``leyline:<session_id>`` unless given.
+        splice: send directives to ``/leyline/splice`` (False: the re-prefill arm).
+    """
+
+    def __init__(
+        self,
+        client: LeylineClient,
+        wrapper: ConversationWrapper,
+        *,
+        session_id: str | None = None,
+        splice: bool = True,
+        namespace: str | None = None,
+    ) -> None:
+        self.client = client
+        self.wrapper = wrapper
+        self.session_id = session_id or uuid.uuid4().hex
+        self.namespace = namespace or f"leyline:{self.session_id}"
+        self.splice_enabled = splice
+        self.records: list[TurnRecord] = []
+        self.messages: list[dict[str, Any]] = []
+
+    def begin(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> Pending:
+        t0 = time.perf_counter()
+        plan = self.wrapper.plan(messages, tools)
+        result: SpliceResult | None = None
+        error: str | None = None
+        splice_ms = 0.0
+        if self.splice_enabled and plan.directives and self.wrapper.tokens:
+            try:
+                result = self.client.splice(
+                    self.wrapper.tokens, plan.directives, extra_key=self.namespace
+                )
+                splice_ms = result.http_ms
+            except SpliceRejected as e:
+                error = f"{e.status}: {e.message}"
+                splice_ms = (time.perf_counter() - t0) * 1e3
+        return Pending(plan, result, error, splice_ms, t0)
+
+    def best_cached(self, plan: TurnPlan) -> int:
+        """Theoretical best cached tokens for this turn under this session's arm.
+
+        splice: everything but the new tail and the replacements; re-prefill: the prefix before
+        the first edit; first turn: 0.
+        """
+        if not self.wrapper.tokens:
+            return 0
+        if not plan.directives:
+            return plan.base_len
+        if self.splice_enabled:
+            return (
+                len(plan.tokens) - len(plan.tail) - sum(len(d.replacement) for d in plan.directives)
+            )
+        return min(d.start for d in plan.directives)
+
+    def finish(
+        self,
+        pending: Pending,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        request_ms: float,
+        ttft_ms: float | None = None,
+        first_token: int | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+    ) -> TurnRecord:
+        plan = pending.plan
+        modes = [d.mode for d in plan.directives]
+        splice_prefilled = pending.splice.prefilled if pending.splice else 0
+        record = TurnRecord(
+            turn=len(self.records),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            prefilled_tokens=prompt_tokens - cached_tokens + splice_prefilled,
+            splice_prefilled=splice_prefilled,
+            rotated_tokens=pending.splice.rotated if pending.splice else 0,
+            best_cached_tokens=min(self.best_cached(plan), prompt_tokens),
+            directives_amortize=modes.count(Mode.AMORTIZE),
+            directives_forget=modes.count(Mode.FORGET),
+            edited=bool(plan.directives),
+            spliced=pending.splice is not None,
+            splice_error=pending.splice_error,
+            splice_ms=pending.splice_ms,
+            request_ms=request_ms,
+            ttft_ms=ttft_ms,
+            first_token=first_token,
+        )
+        self.wrapper.commit(plan)
+        if messages is not None:
+            self.messages = [dict(m) for m in messages]
+        self.records.append(record)
+        return record
+
+    def generate(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        *,
+        max_new_tokens: int = 1,
+    ) -> tuple[TurnRecord, GenerateResult]:
+        """One teacher-forced turn through ``/generate`` with the rendered token ids."""
+        pending = self.begin(messages, tools)
+        out = self.client.generate(
+            pending.plan.tokens, extra_key=self.namespace, max_new_tokens=max_new_tokens
+        )
+        record = self.finish(
+            pending,
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            request_ms=out.e2e_ms,
+            ttft_ms=out.meta.get("ttft_ms") or out.e2e_ms,
+            first_token=out.output_ids[0] if out.output_ids else None,
+            messages=messages,
+        )
+        return record, out
+
+
+class LeylineSession:
+    """In-process API for Python agent loops.
+
+    ``LeylineSession(base_url="http://127.0.0.1:30000", policy="stale_tool_outputs:keep_last=2")``
+    then ``session.chat(messages, tools=tools, max_tokens=64)`` returns the backend's OpenAI-style
+    chat completion (a dict) with ``usage.prompt_tokens_details.cached_tokens`` filled in.
+
+    Args:
+        base_url: a Leyline-enabled SGLang server (``leyline serve``), without ``/v1``.
+        policy: a policy or spec string.
+        model_path: model directory whose chat template the server uses (None: embedded default).
+        splice: False sends the edited request without directives (re-prefill).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        policy: Any = "none",
+        *,
+        model: str | None = None,
+        model_path: str | None = None,
+        session_id: str | None = None,
+        splice: bool = True,
+        timeout: float = 600.0,
+    ) -> None:
+        self.client = LeylineClient(base_url, timeout=timeout)
+        self.model = model or "default"
+        self.core = SessionCore(
+            self.client,
+            ConversationWrapper(model_path, policy),
+            session_id=session_id,
+            splice=splice,
+        )
+
+    @property
+    def records(self) -> list[TurnRecord]:
+        return self.core.records
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        """Send one turn. Raises ``httpx.HTTPStatusError`` when the backend answers an error."""
+        pending = self.core.begin(messages, tools)
+        body: dict[str, Any] = {
+            "model": sampling.pop("model", self.model),
+            "messages": pending.plan.messages,
+            "extra_key": self.core.namespace,
+            **sampling,
+        }
+        if tools:
+            body["tools"] = list(tools)
+        t0 = time.perf_counter()
+        try:
+            r = self.client.http.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError:
+            raise
+        r.raise_for_status()
+        request_ms = (time.perf_counter() - t0) * 1e3
+        data = r.json()
+        usage = data.setdefault("usage", {}) or {}
+        prompt = int(usage.get("prompt_tokens", len(pending.plan.tokens)))
+        details = usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
+        usage["prompt_tokens_details"] = {**details, "cached_tokens": cached}
+        data["usage"] = usage
+        self.core.finish(
+            pending,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            request_ms=request_ms,
+            messages=messages,
+        )
+        return data

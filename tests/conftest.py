@@ -1,0 +1,26 @@
+"""Shared fixtures. ``leyline_server`` is a real ``leyline serve`` (SGLang on CPU, embedded default
+model, dummy weights) on loopback, started once per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def leyline_server() -> Iterator[str]:
+    """Base URL of a running ``leyline serve``. Needs the sglang extra (CI installs it)."""
+    if os.environ.get("CI"):
+        import sglang  # noqa: F401  (in CI a missing extra is a failure, not a skip)
+    else:
+        pytest.importorskip("sglang", reason="the sglang extra is not installed")
+    from leyline_agent.server import EmbeddedServer
+
+    url = os.environ.get("LEYLINE_TEST_SERVER")
+    if url:  # reuse a server started by hand (faster local iteration)
+        yield url
+        return
+    with EmbeddedServer(max_total_tokens=16384, env={"LEYLINE_DEBUG_ENDPOINTS": "1"}) as srv:
+        yield srv.url
