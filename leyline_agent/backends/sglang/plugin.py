@@ -5,10 +5,11 @@ detokenizer), then applies the hooks. Each hook is small and named for what it c
 
 - ``register_radix_backend``: ``--radix-cache-backend leyline`` (``radix.LeylineRadixCache``).
 - ``add_splice_dispatch`` (AFTER ``Scheduler.init_request_dispatcher``): the scheduler answers
-  ``SpliceReqInput`` / ``StatsReqInput`` between batches.
+  ``SpliceReqInput`` / ``InspectReqInput`` between batches.
 - ``add_communicators``: the tokenizer manager gets ``leyline_splice_communicator`` and
-  ``leyline_stats_communicator`` (``_COMMUNICATOR_SPECS``, read when it is built).
-- ``add_http_routes`` (main process only): ``POST /leyline/splice``, ``GET /leyline/stats``.
+  ``leyline_inspect_communicator`` (``_COMMUNICATOR_SPECS``, read when it is built).
+- ``add_http_routes`` (main process only): ``POST /leyline/splice``, ``GET /leyline/stats``, and
+  with ``LEYLINE_DEBUG_ENDPOINTS=1`` ``POST /leyline/debug/inspect`` (KV rows, for tests).
 - ``cpu_dev.apply`` when ``LEYLINE_CPU_DEV=1``.
 
 Route: the same as SGLang's own control requests (``/flush_cache``): HTTP handler -> tokenizer
@@ -17,7 +18,6 @@ manager communicator -> ZMQ -> scheduler dispatcher -> handler -> reply.
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 from typing import Any
@@ -62,7 +62,7 @@ def register_io_types() -> None:
 
     from leyline_agent.backends.sglang import protocol as p
 
-    hook_custom_types(p.SpliceReqInput, p.SpliceReqOutput, p.StatsReqInput, p.StatsReqOutput)
+    hook_custom_types(p.SpliceReqInput, p.SpliceReqOutput, p.InspectReqInput, p.InspectReqOutput)
 
 
 def add_communicators() -> None:
@@ -73,7 +73,7 @@ def add_communicators() -> None:
     names = {spec[0] for spec in tcm._COMMUNICATOR_SPECS}
     for name, out_type in [
         ("leyline_splice", p.SpliceReqOutput),
-        ("leyline_stats", p.StatsReqOutput),
+        ("leyline_inspect", p.InspectReqOutput),
     ]:
         if name not in names:
             tcm._COMMUNICATOR_SPECS.append((name, out_type))
@@ -92,11 +92,12 @@ def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         status, body = executor.handle(req.payload)
         return p.SpliceReqOutput(status=status, body=body)
 
-    def on_stats(req: p.StatsReqInput) -> p.StatsReqOutput:
-        return p.StatsReqOutput(body=json.dumps(executor.stats()))
+    def on_inspect(req: p.InspectReqInput) -> p.InspectReqOutput:
+        status, body = executor.inspect(req.payload)
+        return p.InspectReqOutput(status=status, body=body)
 
     scheduler._request_dispatcher += TypeBasedDispatcher(
-        [(p.SpliceReqInput, on_splice), (p.StatsReqInput, on_stats)]
+        [(p.SpliceReqInput, on_splice), (p.InspectReqInput, on_inspect)]
     )
     return result
 

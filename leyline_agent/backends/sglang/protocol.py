@@ -64,9 +64,12 @@ class SpliceReqOutput(BaseReq, kw_only=True):
     body: str
 
 
-class StatsReqInput(BaseReq, kw_only=True):
-    pass
+class InspectReqInput(BaseReq, kw_only=True):
+    """``payload``: JSON ``{"op": "stats"}`` or (debug endpoints only) ``{"op": "rows", ...}``."""
+
+    payload: str
 
 
-class StatsReqOutput(BaseReq, kw_only=True):
+class InspectReqOutput(BaseReq, kw_only=True):
+    status: int
     body: str

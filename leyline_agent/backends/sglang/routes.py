@@ -5,6 +5,7 @@ registration time.
 """
 
 import json
+import os
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -33,10 +34,20 @@ async def splice(request: Request) -> JSONResponse:
     return JSONResponse(json.loads(out.body), status_code=out.status)
 
 
+async def _inspect(payload: dict) -> JSONResponse:
+    req = p.InspectReqInput(payload=json.dumps(payload))
+    out = (await _tokenizer_manager().leyline_inspect_communicator(req))[0]
+    return JSONResponse(json.loads(out.body), status_code=out.status)
+
+
 async def stats() -> JSONResponse:
     """Allocator and tree counters (free + cached + in use == total)."""
-    out = (await _tokenizer_manager().leyline_stats_communicator(p.StatsReqInput()))[0]
-    return JSONResponse(json.loads(out.body))
+    return await _inspect({"op": "stats"})
+
+
+async def debug_inspect(request: Request) -> JSONResponse:
+    """Debug only (``LEYLINE_DEBUG_ENDPOINTS=1``): KV rows of a cached sequence, tree slots."""
+    return await _inspect(json.loads(await request.body()))
 
 
 def add_routes() -> None:
@@ -45,3 +56,5 @@ def add_routes() -> None:
         return
     http_server.app.add_api_route("/leyline/splice", splice, methods=["POST"])
     http_server.app.add_api_route("/leyline/stats", stats, methods=["GET"])
+    if os.environ.get("LEYLINE_DEBUG_ENDPOINTS") == "1":
+        http_server.app.add_api_route("/leyline/debug/inspect", debug_inspect, methods=["POST"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from array import array
@@ -87,6 +88,48 @@ class SpliceExecutor:
             logger.exception("leyline splice failed")
             return 500, json.dumps({"error": f"splice failed and was rolled back: {e!r}"})
         return 200, resp.model_dump_json()
+
+    def inspect(self, payload: str) -> tuple[int, str]:
+        """``stats`` always; ``rows`` / ``tree_slots`` only with ``LEYLINE_DEBUG_ENDPOINTS=1``."""
+        try:
+            req = json.loads(payload)
+            op = req.get("op")
+            if op == "stats":
+                return 200, json.dumps(self.stats())
+            if os.environ.get("LEYLINE_DEBUG_ENDPOINTS") != "1":
+                return 403, json.dumps({"error": "debug endpoints are disabled"})
+            if op == "rows":
+                return 200, json.dumps(self.rows(req["tokens"], req.get("extra_key")))
+            if op == "tree_slots":
+                return 200, json.dumps({"slots": self.tree.all_slots().tolist()})
+            return 400, json.dumps({"error": f"unknown op {op!r}"})
+        except Exception as e:
+            logger.exception("leyline inspect failed")
+            return 500, json.dumps({"error": repr(e)})
+
+    def rows(self, tokens: list[int], extra_key: str | None) -> dict[str, Any]:
+        """Cached length, slots and per-layer KV rows (values as fp32, and raw bit patterns)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        tree = self.tree
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key)))
+        n = int(m.device_prefix_len)
+        slots = tree.path_device_indices(m.last_device_node)[:n].to(torch.int64)
+        bufs = self._kv_buffers()
+        int_view = {2: torch.int16, 4: torch.int32}
+        values, bits = [], []
+        for buf in bufs:
+            rows = buf[slots][:, 0, :]
+            values.append(rows.float().tolist())
+            bits.append(rows.contiguous().view(int_view[rows.element_size()]).tolist())
+        return {
+            "cached": n,
+            "slots": slots.tolist(),
+            "dtype": str(bufs[0].dtype),
+            "values": values,
+            "bits": bits,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Allocator/tree counters; ``ok`` checks free + cached + in use == total when idle."""
@@ -189,8 +232,20 @@ class SpliceExecutor:
             False,
             s.spec_algorithm,
         )
-        batch.prepare_for_extend()
-        s.run_batch(batch)
+        try:
+            batch.prepare_for_extend()
+        except Exception:
+            if req.kv.holds_kv:
+                s.req_to_token_pool.free(req)
+                req.kv.mark_kv_released()
+            raise
+        try:
+            s.run_batch(batch)
+        except Exception:
+            s.token_to_kv_pool_allocator.free(batch.out_cache_loc)
+            s.req_to_token_pool.free(req)
+            req.kv.mark_kv_released()
+            raise
         row = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = row[n_prefix : len(tokens)].to(torch.int64).clone()
         s.req_to_token_pool.free(req)
@@ -233,6 +288,18 @@ class SpliceExecutor:
         first = ordered[0].start
         plan = plan_edit(old_tokens, ordered)
         new_tokens = plan.new_tokens
+
+        needed = sum(len(d.replacement) for d in amortized) + (cached - first)
+        if forget_at is not None:
+            needed += len(new_tokens)
+        room = int(tree.token_to_kv_pool_allocator.available_size()) + int(tree.evictable_size())
+        if needed > room:
+            raise SpliceError(
+                503, f"KV pool too small for this splice: needs up to {needed} slots, {room} free"
+            )
+        fail_after_prefill = bool(getattr(req, "debug_fail_after_prefill", False)) and (
+            os.environ.get("LEYLINE_DEBUG_ENDPOINTS") == "1"
+        )
 
         tree.inc_lock_ref(last_node)
         locked = True
@@ -296,6 +363,11 @@ class SpliceExecutor:
             new_slots = torch.cat(new_parts)
             if new_slots.numel() != len(new_tokens):
                 raise SpliceError(500, "internal: slot plan does not cover the new sequence")
+
+            if fail_after_prefill:
+                raise RuntimeError(
+                    "injected fault after phase 1 (LEYLINE_DEBUG_ENDPOINTS test hook)"
+                )
 
             # -- phase 2: commit -----------------------------------------------------------------
             tree.dec_lock_ref(last_node)
