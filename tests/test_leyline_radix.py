@@ -1,0 +1,122 @@
+"""LeylineRadixCache tree surgery on a real SGLang allocator (CPU), in process."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+
+from leyline_agent.backends.sglang.radix import LeylineRadixCache  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+
+def make_tree(size: int = 256) -> LeylineRadixCache:
+    alloc = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", None, need_sort=False)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1
+    )
+    return LeylineRadixCache(params)
+
+
+def put(tree: LeylineRadixCache, tokens: list[int], ns: str = "a") -> torch.Tensor:
+    key = RadixKey(array("q", tokens), ns)
+    have = tree.match_prefix(MatchPrefixParams(key=key))
+    n = int(have.device_prefix_len)
+    slots = tree.path_device_indices(have.last_device_node)[:n]
+    new = tree.token_to_kv_pool_allocator.alloc(len(tokens) - n)
+    value = torch.cat([slots, new]).to(torch.int64)
+    res = tree.insert(InsertParams(key=key, value=value))
+    assert int(res.prefix_len) == n
+    return value
+
+
+def match(tree: LeylineRadixCache, tokens: list[int], ns: str = "a"):
+    return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), ns)))
+
+
+def test_chain_from_splits_at_start_and_keeps_values() -> None:
+    tree = make_tree()
+    slots = put(tree, list(range(100, 130)))
+    m = match(tree, list(range(100, 130)))
+    parent, chain = tree.chain_from(m.last_device_node, 12)
+    assert sum(len(n.key) for n in chain) == 18
+    assert torch.equal(tree.path_device_indices(parent), slots[:12])
+    assert torch.equal(tree.path_device_indices(m.last_device_node), slots)
+    assert tree.check_integrity()["ok"]
+
+
+def test_detach_chain_hands_slots_over_without_freeing() -> None:
+    tree = make_tree()
+    slots = put(tree, list(range(30)))
+    m = match(tree, list(range(30)))
+    parent, chain = tree.chain_from(m.last_device_node, 10)
+    assert tree.chain_is_exclusive(chain, own_locks=0)
+    free_before = tree.token_to_kv_pool_allocator.available_size()
+    mine = tree.detach_chain(parent, chain)
+    assert torch.equal(mine, slots[10:])
+    assert tree.token_to_kv_pool_allocator.available_size() == free_before
+    assert int(match(tree, list(range(30))).device_prefix_len) == 10
+    # the caller owns 20 slots now: the identity holds with them counted as in use
+    assert tree.check_integrity(in_use=20)["ok"]
+    tree.token_to_kv_pool_allocator.free(mine)
+    assert tree.check_integrity()["ok"]
+
+
+def test_shared_branch_is_not_exclusive_and_extension_is_detected() -> None:
+    tree = make_tree()
+    put(tree, list(range(40)))
+    put(tree, list(range(20)) + [999, 998])
+    m = match(tree, list(range(40)))
+    _, chain = tree.chain_from(m.last_device_node, 5)
+    assert not tree.chain_is_exclusive(chain, own_locks=0)  # [5, 20) is shared
+    m30 = match(tree, list(range(30)))
+    ext = tree.single_chain_below(m30.last_device_node)
+    assert ext is not None and sum(len(n.key) for n in ext) == 10
+    tree.inc_lock_ref(m.last_device_node)
+    assert tree.single_chain_below(m30.last_device_node) is None  # locked by a request
+    tree.dec_lock_ref(m.last_device_node)
+
+
+def test_purge_subtree_frees_everything_below_and_refuses_locked() -> None:
+    tree = make_tree()
+    a = put(tree, list(range(50)))
+    put(tree, list(range(30)) + [7] * 5)
+    m = match(tree, list(range(50)))
+    parent, chain = tree.chain_from(m.last_device_node, 25)
+    tree.inc_lock_ref(m.last_device_node)
+    with pytest.raises(RuntimeError, match="in use"):
+        tree.purge_subtree(parent, chain[0])
+    tree.dec_lock_ref(m.last_device_node)
+    assert tree.check_integrity()["ok"]
+    freed = tree.purge_subtree(parent, chain[0])
+    assert freed == 25 + 5
+    assert not set(a[25:].tolist()) & set(tree.all_slots().tolist())
+    assert int(match(tree, list(range(50))).device_prefix_len) == 25
+    assert tree.check_integrity()["ok"]
+
+
+def test_integrity_detects_a_leaked_slot() -> None:
+    tree = make_tree()
+    put(tree, list(range(10)))
+    tree.token_to_kv_pool_allocator.alloc(3)  # taken, owned by nobody
+    assert not tree.check_integrity()["ok"]
+    assert tree.check_integrity(in_use=3)["ok"]
+
+
+def test_staged_prefix_overrides_the_tree_path_for_a_prefill() -> None:
+    tree = make_tree()
+
+    class Req:  # the two attributes prefix_device_indices reads
+        prefix_len = 3
+        leyline_prefix = torch.tensor([9, 8, 7, 6])
+
+    assert tree.prefix_device_indices(Req()).tolist() == [9, 8, 7]
