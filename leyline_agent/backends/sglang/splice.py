@@ -155,6 +155,8 @@ class SpliceExecutor:
                 f"the server's radix cache is {type(tree).__name__}; splices need "
                 "'--radix-cache-backend leyline' (leyline serve sets it)",
             )
+        if tree.page_size != 1:
+            raise SpliceError(501, f"splices need --page-size 1 (server has {tree.page_size})")
         return tree
 
     def _kv_buffers(self) -> list[torch.Tensor]:
