@@ -1,0 +1,172 @@
+"""Drift of RoPE keys under composed δ-rotations, and the angle-formation measurement.
+
+Table 1 (drift): K keys with a DeepSeek-V2-Lite rope band (d=64, deepseek_yarn f=40, mscale
+≈ 1.37 kept in the stored key) are stored at random positions in bf16 or fp16, then spliced
+1000 times: each splice is a δ-rotation by a random Δ (positions kept in [0, 163840)). After
+1, 10, 100 and 1000 splices the relative L2 error of the band, ||got - want|| / ||want|| over all
+keys, is taken against the exact fp64 rotation of the original key to its final position.
+"fp32 math" is `delta_rotate_torch` (the shipped reference); "storage math" does the same
+rotation with cos/sin and products in the storage dtype.
+
+Table 2 (angles): one δ-rotation in fp32 storage, three ways of forming the angle, the numbers
+quoted in `leyline_agent.kernels.delta_rotation`.
+
+Prints tables, then one JSON document as the last stdout line. Under a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from leyline_agent.kernels.delta_rotation import delta_rotate_torch, unit_cos_sin
+from leyline_agent.kernels.rope import RopeBand, RopeSpec, apply_rotation, inv_freq, mscale, rotate
+
+MAX_POS = 163_840
+CHECKPOINTS = (1, 10, 100, 1000)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def deepseek_v2_lite_spec() -> RopeSpec:
+    config = {
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "max_position_embeddings": MAX_POS,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
+    }
+    return RopeSpec.from_hf_config(config)
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def storage_math_rotate(buf: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> None:
+    """The naive alternative: cos/sin and products in the storage dtype."""
+    cos, sin = unit_cos_sin(delta, spec)
+    cos, sin = cos[:, None].to(buf.dtype), sin[:, None].to(buf.dtype)
+    buf.copy_(apply_rotation(buf, cos, sin, spec.pairing))
+
+
+def drift(keys: int, steps: int, max_delta: int, seed: int) -> list[dict]:
+    spec = deepseek_v2_lite_spec()
+    band = RopeBand(0, spec.rotary_dim)
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(keys, 1, spec.rotary_dim, generator=gen, dtype=torch.float64)
+    start = torch.randint(0, MAX_POS, (keys,), generator=gen)
+    deltas = torch.randint(-max_delta, max_delta + 1, (steps, keys), generator=gen)
+    s = mscale(spec)
+    slots = torch.arange(keys)
+    rows = []
+    for dname, dtype in DTYPES.items():
+        for math_name in ("fp32", "storage"):
+            buf = (s * rotate(k, start, spec)).to(dtype)
+            pos = start.clone()
+            errors = {0: rel_l2(buf, s * rotate(k, pos, spec))}
+            for step in range(1, steps + 1):
+                new = (pos + deltas[step - 1]).clamp(0, MAX_POS - 1)
+                if math_name == "fp32":
+                    delta_rotate_torch([buf], slots, slots, pos, new, spec, band)
+                else:
+                    storage_math_rotate(buf, new - pos, spec)
+                pos = new
+                if step in CHECKPOINTS:
+                    errors[step] = rel_l2(buf, s * rotate(k, pos, spec))
+            rows.append({"dtype": dname, "math": math_name, "rel_l2": errors})
+    return rows
+
+
+def angle_forms(keys: int, seed: int) -> list[dict]:
+    """One rotation in fp32 storage: absolute phases vs Δ·θ (fp32) vs Δ·θ (fp64, mod 2π)."""
+    spec = deepseek_v2_lite_spec()
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(keys, spec.rotary_dim, generator=gen, dtype=torch.float64)
+    theta32 = inv_freq(spec, torch.float32)
+    cases = [((0, 4096), (-2048, 2048)), ((100_000, 160_000), (-4096, 4096))]
+    cases += [((100_000, 160_000), (-100_000, 0)), ((150_000, 160_000), (-32, 32))]
+    rows = []
+    for (lo, hi), (dlo, dhi) in cases:
+        old = torch.randint(lo, hi, (keys,), generator=gen)
+        new = (old + torch.randint(dlo, dhi + 1, (keys,), generator=gen)).clamp(min=0)
+        stored = rotate(k, old, spec).float()
+        want = rotate(k, new, spec)
+        forms = {
+            "abs_fp32": new.float()[:, None] * theta32 - old.float()[:, None] * theta32,
+            "delta_fp32": (new - old).float()[:, None] * theta32,
+        }
+        row = {"old": [lo, hi], "delta": [dlo, dhi]}
+        for name, angle in forms.items():
+            got = apply_rotation(stored, angle.cos(), angle.sin(), spec.pairing)
+            row[name] = _err_stats(got, want)
+        cos, sin = unit_cos_sin(new - old, spec)  # the shipped choice
+        row["delta_fp64_mod2pi"] = _err_stats(apply_rotation(stored, cos, sin, spec.pairing), want)
+        row["storage_only"] = _err_stats(stored, rotate(k, old, spec))
+        rows.append(row)
+    return rows
+
+
+def _err_stats(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    err = (got.double() - want).norm(dim=-1) / want.norm(dim=-1)
+    return {"mean": err.mean().item(), "max": err.max().item()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=1000, choices=CHECKPOINTS)
+    parser.add_argument("--max-delta", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="256 keys, 100 splices")
+    args = parser.parse_args()
+    if args.quick:
+        args.keys, args.steps = 256, 100
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    rows = drift(args.keys, args.steps, args.max_delta, args.seed)
+    angles = angle_forms(max(args.keys, 4096), args.seed)
+    console = Console(width=140)
+    table = Table(
+        title=f"rope-band rel. L2 error after N splices ({args.keys} keys, |Δ| ≤ {args.max_delta})"
+    )
+    table.add_column("storage")
+    table.add_column("math")
+    checkpoints = [0] + [c for c in CHECKPOINTS if c <= args.steps]
+    for c in checkpoints:
+        table.add_column(f"N={c}", justify="right")
+    for row in rows:
+        table.add_row(row["dtype"], row["math"], *(f"{row['rel_l2'][c]:.2e}" for c in checkpoints))
+    console.print(table)
+    table = Table(title="one δ-rotation, fp32 storage: band rel. L2 error (mean / max)")
+    for col in ("old pos", "Δ", "new·θ-old·θ fp32", "Δ·θ fp32", "Δ·θ fp64 mod 2π", "storage only"):
+        table.add_column(col, justify="right")
+    for row in angles:
+        cells = [row[k] for k in ("abs_fp32", "delta_fp32", "delta_fp64_mod2pi", "storage_only")]
+        table.add_row(
+            f"[{row['old'][0]}, {row['old'][1]})",
+            f"[{row['delta'][0]}, {row['delta'][1]}]",
+            *(f"{c['mean']:.1e} / {c['max']:.1e}" for c in cells),
+        )
+    console.print(table)
+    doc = {
+        "experiment": "rope_drift",
+        "args": vars(args),
+        "drift": rows,
+        "angles": angles,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+    }
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()
