@@ -2,6 +2,108 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
+
+
+@app.callback()
+def trace() -> None:
+    """Check a model's chat template and a policy on recorded agent traces."""
+
+
+@app.command()
+def check(
+    paths: Annotated[list[Path], typer.Argument(help="trace files or directories")],
+    policy: Annotated[
+        str, typer.Option(help="policy spec, NAME[:key=value,...] (see docs/policies.md)")
+    ] = "none",
+    model_path: Annotated[
+        Path | None,
+        typer.Option(help="model directory (tokenizer.json + chat template); default: embedded"),
+    ] = None,
+) -> None:
+    """Replay every turn of every trace through the wrapper and verify token-exactness.
+
+    Per turn: apply the policy, render with the model's chat template, diff against the previous
+    turn's prompt, and check that applying the directives and appending the tail gives exactly the
+    rendered prompt. Prints a table, then as the last stdout line
+    {"traces", "turns", "exact", "edited_turns", "directives"}. A turn the template or the policy
+    rejects is reported on stderr and counts as not exact. Exit status 1 when a turn is not exact,
+    2 when no trace was found.
+    """
+    import jinja2
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from leyline_agent.directive import apply_directives
+    from leyline_agent.policies import PolicyError, parse_policy
+    from leyline_agent.render import load_renderer
+    from leyline_agent.traces import load
+    from leyline_agent.wrapper import ConversationWrapper
+
+    err = Console(stderr=True)
+    try:
+        policy_obj = parse_policy(policy)
+    except PolicyError as e:
+        raise typer.BadParameter(str(e), param_hint="--policy") from e
+    renderer = load_renderer(model_path)
+    traces = [t for p in paths for t in load(p)]
+    if not traces:
+        err.print(f"no traces found in {', '.join(map(str, paths))}")
+        raise typer.Exit(2)
+
+    table = Table(title=f"trace check (policy {policy})", caption=f"template: {renderer.source}")
+    table.add_column("trace", overflow="fold")
+    for col in (
+        "turns",
+        "exact",
+        "edited",
+        "directives",
+        "fallback",
+        "errors",
+        "prompt",
+        "prefill",
+    ):
+        table.add_column(col, justify="right", no_wrap=True)
+    totals = {"traces": len(traces), "turns": 0, "exact": 0, "edited_turns": 0, "directives": 0}
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("turns", total=sum(len(t.turns) for t in traces))
+        for trace in traces:
+            wrapper = ConversationWrapper(renderer, policy_obj)
+            row = {"turns": 0, "exact": 0, "edited": 0, "directives": 0, "fallback": 0, "errors": 0}
+            prefill = 0
+            for turn, messages in enumerate(trace.turns):
+                row["turns"] += 1
+                progress.advance(task)
+                try:
+                    plan = wrapper.plan(messages, trace.tools)
+                except (jinja2.TemplateError, PolicyError) as e:
+                    err.print(f"{trace.name} turn {turn}: {type(e).__name__}: {e}", markup=False)
+                    row["errors"] += 1
+                    wrapper.reset()
+                    continue
+                exact = apply_directives(wrapper.tokens, plan.directives) + plan.tail == plan.tokens
+                row["exact"] += exact
+                row["edited"] += bool(plan.directives)
+                row["directives"] += len(plan.directives)
+                row["fallback"] += plan.fallback
+                prefill += len(plan.tail) + sum(len(d.replacement) for d in plan.directives)
+                wrapper.commit(plan)
+            totals["turns"] += row["turns"]
+            totals["exact"] += row["exact"]
+            totals["edited_turns"] += row["edited"]
+            totals["directives"] += row["directives"]
+            table.add_row(
+                trace.name, *map(str, row.values()), str(len(wrapper.tokens)), str(prefill)
+            )
+    out = Console()
+    (out if out.is_terminal else Console(width=160)).print(table)
+    typer.echo(json.dumps(totals))
+    if totals["exact"] < totals["turns"]:
+        raise typer.Exit(1)

@@ -1,0 +1,46 @@
+"""``observation_window``: keep the last ``n`` observations verbatim, mask the older ones.
+
+Observation masking as agent frameworks do it (SWE-agent's ``last_n_observations`` history
+processor): each older observation's content becomes ``placeholder`` with ``{lines}`` = its number
+of lines, so the agent still sees that an output was there and how long it was. Counted per
+observation (not per agent step). A masked observation never changes again. Mode AMORTIZE.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from leyline_agent.policies.base import Conversation, Edit, register_policy
+
+DEFAULT_PLACEHOLDER = "Old environment output: ({lines} lines omitted)"
+
+
+@register_policy("observation_window")
+class ObservationWindow(BaseModel):
+    """Mask every observation but the last ``n``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n: int = Field(default=5, ge=0, description="observations kept verbatim")
+    placeholder: str = Field(default=DEFAULT_PLACEHOLDER, description="{lines} = masked lines")
+
+    @field_validator("placeholder")
+    @classmethod
+    def _check_placeholder(cls, v: str) -> str:
+        try:
+            v.format(lines=1)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"placeholder {v!r} may only use {{lines}}: {e}") from e
+        return v
+
+    def __call__(self, conversation: Conversation) -> list[Edit]:
+        obs = conversation.observations
+        masked = obs[: max(len(obs) - self.n, 0)]
+        return [
+            Edit(
+                index=i,
+                replacement=self.placeholder.format(lines=len(conversation.text(i).splitlines())),
+                reason="observation_window",
+            )
+            for i in masked
+        ]

@@ -1,0 +1,62 @@
+"""``stale_tool_outputs``: tool outputs older than the last ``keep_last`` agent steps become a stub.
+
+The paper's rule. An agent step is one assistant message; its outputs are the observations that
+follow it (several for parallel tool calls). Once a step is more than ``keep_last`` steps old, its
+outputs are evicted: the first output's content becomes ``stub`` with ``{n}`` = the number of
+outputs of that step (1 for a single call; k for k parallel calls), and the step's other outputs
+become empty (they stay, so that every tool call keeps its answer). A step's outputs are complete
+before it can go stale, so a stub never changes once written and the server reuses its KV on every
+later turn. Mode AMORTIZE.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from leyline_agent.directive import Mode
+from leyline_agent.policies.base import Conversation, Edit, register_policy
+
+DEFAULT_STUB = "[evicted: {n} old tool outputs]"
+
+
+def check_stub(stub: str) -> str:
+    """Validate a stub template: it may use ``{n}`` and nothing else."""
+    try:
+        stub.format(n=1)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"stub {stub!r} may only use the placeholder {{n}}: {e}") from e
+    return stub
+
+
+def stub_edits(
+    conversation: Conversation, groups: list[list[int]], stub: str, reason: str
+) -> list[Edit]:
+    """Edits that evict each group of observations (one agent step's outputs) behind one stub."""
+    edits = []
+    for group in groups:
+        text = stub.format(n=len(group))
+        edits.append(Edit(index=group[0], replacement=text, mode=Mode.AMORTIZE, reason=reason))
+        edits += [Edit(index=i, replacement="", reason=reason) for i in group[1:]]
+    return edits
+
+
+@register_policy("stale_tool_outputs")
+class StaleToolOutputs(BaseModel):
+    """Stub the outputs of every agent step except the last ``keep_last``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    keep_last: int = Field(default=2, ge=0, description="agent steps whose outputs stay verbatim")
+    stub: str = Field(default=DEFAULT_STUB, description="replacement; {n} = outputs it stands for")
+
+    @field_validator("stub")
+    @classmethod
+    def _check_stub(cls, v: str) -> str:
+        return check_stub(v)
+
+    def __call__(self, conversation: Conversation) -> list[Edit]:
+        last_stale = conversation.num_steps - self.keep_last
+        groups = [
+            g for g in conversation.observation_groups() if conversation.steps[g[0]] <= last_stale
+        ]
+        return stub_edits(conversation, groups, self.stub, "stale_tool_outputs")
