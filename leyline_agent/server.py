@@ -44,7 +44,7 @@ class EmbeddedServer:
         port: int | None = None,
         max_total_tokens: int = 16384,
         extra_args: list[str] | None = None,
-        timeout: float = 240.0,
+        timeout: float = 600.0,
         env: dict[str, str] | None = None,
     ):
         self.port = port or free_port()

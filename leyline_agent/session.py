@@ -15,15 +15,16 @@ is still sent: the answer stays correct and the turn counts as a miss (``record.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from pydantic import BaseModel
 
+from leyline_agent.chat.sglang import sglang_tools
 from leyline_agent.client import GenerateResult, LeylineClient, SpliceRejected, SpliceResult
 from leyline_agent.directive import Mode
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
@@ -105,6 +106,14 @@ class SessionCore:
                 splice_ms = (time.perf_counter() - t0) * 1e3
         return Pending(plan, result, error, splice_ms, t0)
 
+    def chat_body(self, pending: Pending, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The chat-completions body to send: ``body`` with the planned (edited) messages and
+        tools, in this session's namespace."""
+        out = {**body, "messages": pending.plan.messages, "extra_key": self.namespace}
+        if pending.plan.tools:
+            out["tools"] = pending.plan.tools
+        return out
+
     def best_cached(self, plan: TurnPlan) -> int:
         """Theoretical best cached tokens for this turn under this session's arm.
 
@@ -183,6 +192,66 @@ class SessionCore:
         return record, out
 
 
+def _served_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(message)
+    if out.get("content") is None:
+        out["content"] = ""
+    if isinstance(out.get("tool_calls"), list):
+        calls = []
+        for call in out["tool_calls"]:
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+                try:
+                    args = json.loads(fn["arguments"])
+                except ValueError:
+                    args = None  # the server rejects it; keep the agent's text
+                if isinstance(args, dict):
+                    fn = {**fn, "arguments": json.dumps(args, ensure_ascii=False)}
+                    call = {**call, "function": fn}
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
+
+
+def chat_request_view(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools of a chat request as SGLang's chat template will see them.
+
+    SGLang (0.5.x) passes every tool through its pydantic ``Tool`` model before templating (which
+    adds ``"defer_loading": null``, ``description``/``parameters`` when absent, and drops unknown
+    keys), parses tool-call ``arguments`` strings into objects that the template re-serialises
+    with ``tojson``, renders no tools under ``tool_choice="none"`` and only the named one under a
+    named ``tool_choice``. Planning on the raw request would give other tokens than the server's
+    prompt (every splice would then miss). This view is a fixed point of that normalisation: send
+    it and render it, and both sides agree. Semantics are unchanged.
+    """
+    if tools and tool_choice == "none":
+        tools = None
+    elif tools and isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        tools = [t for t in tools if (t.get("function") or {}).get("name") == name] or None
+    return [_served_message(m) for m in messages], sglang_tools(tools)
+
+
+def read_usage(data: dict[str, Any], default_prompt: int) -> tuple[int, int]:
+    """``(prompt_tokens, cached_tokens)`` of a chat completion (or its streamed usage chunk).
+
+    Fills ``usage.prompt_tokens_details.cached_tokens`` in place (0 when the backend did not
+    report it, e.g. SGLang without ``--enable-cache-report``); ``default_prompt`` stands in for a
+    missing ``usage.prompt_tokens``.
+    """
+    usage = data.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens", default_prompt))
+    details = usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    usage["prompt_tokens_details"] = {**details, "cached_tokens": cached}
+    data["usage"] = usage
+    return prompt, cached
+
+
 class LeylineSession:
     """In-process API for Python agent loops.
 
@@ -228,29 +297,15 @@ class LeylineSession:
         **sampling: Any,
     ) -> dict[str, Any]:
         """Send one turn. Raises ``httpx.HTTPStatusError`` when the backend answers an error."""
-        pending = self.core.begin(messages, tools)
-        body: dict[str, Any] = {
-            "model": sampling.pop("model", self.model),
-            "messages": pending.plan.messages,
-            "extra_key": self.core.namespace,
-            **sampling,
-        }
-        if tools:
-            body["tools"] = list(tools)
+        view = chat_request_view(messages, tools, sampling.get("tool_choice"))
+        pending = self.core.begin(*view)
+        body: dict[str, Any] = {"model": sampling.pop("model", self.model), **sampling}
         t0 = time.perf_counter()
-        try:
-            r = self.client.http.post("/v1/chat/completions", json=body)
-        except httpx.HTTPError:
-            raise
+        r = self.client.http.post("/v1/chat/completions", json=self.core.chat_body(pending, body))
         r.raise_for_status()
         request_ms = (time.perf_counter() - t0) * 1e3
         data = r.json()
-        usage = data.setdefault("usage", {}) or {}
-        prompt = int(usage.get("prompt_tokens", len(pending.plan.tokens)))
-        details = usage.get("prompt_tokens_details") or {}
-        cached = int(details.get("cached_tokens") or 0)
-        usage["prompt_tokens_details"] = {**details, "cached_tokens": cached}
-        data["usage"] = usage
+        prompt, cached = read_usage(data, len(pending.plan.tokens))
         self.core.finish(
             pending,
             prompt_tokens=prompt,

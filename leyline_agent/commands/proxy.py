@@ -2,6 +2,56 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
+
+
+@app.command("proxy")
+def proxy(
+    backend: Annotated[
+        str, typer.Option(help="Leyline-enabled SGLang server (leyline serve), e.g. http://h:30000")
+    ],
+    policy: Annotated[
+        str, typer.Option(help="policy spec, NAME[:key=value,...] (see docs/policies.md)")
+    ],
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    splice: Annotated[
+        bool,
+        typer.Option(
+            "--splice/--no-splice",
+            help="Send the policy's edits to /leyline/splice (--no-splice: re-prefill them).",
+        ),
+    ] = True,
+    record: Annotated[
+        Path | None,
+        typer.Option(help="Write every turn's incoming messages as JSONL here (one per session)."),
+    ] = None,
+    model_path: Annotated[
+        Path | None,
+        typer.Option(help="Model directory the backend serves (its tokenizer and chat template)."),
+    ] = None,
+) -> None:
+    """OpenAI-compatible proxy: POST /v1/chat/completions with policy-driven cache edits.
+
+    Point an agent's OPENAI_BASE_URL at http://HOST:PORT/v1. Sessions: the X-Leyline-Session
+    header, else the request's `user` field, else the longest matching message history. Also
+    serves GET /v1/models, /leyline/sessions, /leyline/sessions/ID and /metrics (Prometheus).
+    See docs/proxy.md.
+    """
+    import uvicorn
+
+    from leyline_agent.policies import PolicyError
+    from leyline_agent.proxy import create_app
+
+    try:
+        api = create_app(backend, policy, splice=splice, record_dir=record, model_path=model_path)
+    except PolicyError as e:
+        raise typer.BadParameter(str(e), param_hint="--policy") from e
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--model-path") from e
+    uvicorn.run(api, host=host, port=port, log_level="info")

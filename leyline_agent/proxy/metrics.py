@@ -1,0 +1,89 @@
+"""``GET /metrics``: the proxy's counters in the Prometheus text format (version 0.0.4).
+
+Families ``leyline_proxy_*`` count every session served (dropped ones included);
+``leyline_proxy_session_*{session="<id>"}`` count each live session. Times are in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from leyline_agent.proxy.sessions import Counters, SessionRegistry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (counter field, metric suffix, help); every one is a counter.
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("turns", "turns_total", "Chat-completion turns answered."),
+    ("edited_turns", "edited_turns_total", "Turns on which the policy edited the history."),
+    ("spliced_turns", "spliced_turns_total", "Turns whose directives the backend executed."),
+    ("splice_misses", "splice_misses_total", "Turns whose splice could not run (re-prefilled)."),
+    ("prompt_tokens", "prompt_tokens_total", "Prompt tokens sent to the backend."),
+    ("cached_tokens", "cached_tokens_total", "Prompt tokens the backend found in its cache."),
+    ("prefilled_tokens", "prefilled_tokens_total", "Tokens prefilled (request plus splice)."),
+    ("splice_prefilled_tokens", "splice_prefilled_tokens_total", "Tokens prefilled by splices."),
+    ("rotated_tokens", "rotated_tokens_total", "Cached tokens re-rotated by splices."),
+    ("best_cached_tokens", "best_cached_tokens_total", "Cached tokens the best case would give."),
+)
+_SUMMARIES: tuple[tuple[str, str, str], ...] = (
+    ("splice_ms", "splice_seconds", "Time spent in /leyline/splice calls."),
+    ("request_ms", "request_seconds", "Time spent in forwarded chat-completion requests."),
+)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _family(name: str, kind: str, help_: str, samples: Iterable[tuple[str, float]]) -> list[str]:
+    lines = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+    lines += [f"{name}{labels} {_num(value)}" for labels, value in samples]
+    return lines
+
+
+def _modes(c: Counters, extra: str = "") -> list[tuple[str, float]]:
+    return [
+        (f'{{{extra}mode="amortize"}}', c.directives_amortize),
+        (f'{{{extra}mode="forget"}}', c.directives_forget),
+    ]
+
+
+def render(registry: SessionRegistry) -> str:
+    """The exposition text for every counter of the registry."""
+    totals = registry.totals()
+    live = [(s.id, Counters.of(s.core.records)) for s in registry.sessions()]
+    out = _family("leyline_proxy_sessions", "gauge", "Live sessions.", [("", len(live))])
+    out += _family(
+        "leyline_proxy_sessions_created_total",
+        "counter",
+        "Sessions created.",
+        [("", registry.created)],
+    )
+    for attr, suffix, help_ in _COUNTERS:
+        out += _family(f"leyline_proxy_{suffix}", "counter", help_, [("", getattr(totals, attr))])
+    out += _family(
+        "leyline_proxy_directives_total", "counter", "Directives sent, by mode.", _modes(totals)
+    )
+    for attr, base, help_ in _SUMMARIES:
+        name = f"leyline_proxy_{base}"
+        count = totals.spliced_turns + totals.splice_misses if attr == "splice_ms" else totals.turns
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} summary"]
+        out += [f"{name}_sum {_num(getattr(totals, attr) / 1e3)}", f"{name}_count {count}"]
+    for attr, suffix, help_ in _COUNTERS:
+        out += _family(
+            f"leyline_proxy_session_{suffix}",
+            "counter",
+            f"{help_} Per live session.",
+            [(f'{{session="{_label(sid)}"}}', getattr(c, attr)) for sid, c in live],
+        )
+    out += _family(
+        "leyline_proxy_session_directives_total",
+        "counter",
+        "Directives sent, by mode. Per live session.",
+        [s for sid, c in live for s in _modes(c, f'session="{_label(sid)}",')],
+    )
+    return "\n".join(out) + "\n"

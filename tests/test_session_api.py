@@ -1,0 +1,85 @@
+"""The in-process API (``LeylineSession``) on the proxy tests' conversation, against a real
+``leyline serve``; and ``chat_request_view`` against SGLang's own request models."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from test_proxy import POLICY, TOOLS, agent_conversation, expected_plans
+
+from leyline_agent.session import LeylineSession, chat_request_view
+
+
+@pytest.fixture(scope="module")
+def turns() -> list[list[dict[str, Any]]]:
+    return agent_conversation()
+
+
+@pytest.mark.sglang
+def test_chat_splices_and_caches_every_token_before_the_new_turn(
+    leyline_server: str, turns: list[list[dict[str, Any]]]
+) -> None:
+    session = LeylineSession(leyline_server, POLICY)
+    plans = expected_plans(POLICY, turns)
+    for t, (messages, plan) in enumerate(zip(turns, plans, strict=True)):
+        out = session.chat(messages, tools=TOOLS, max_tokens=1, temperature=0)
+        assert out["choices"][0]["finish_reason"] is not None
+        usage = out["usage"]
+        prompt, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+        assert prompt == len(plan.tokens)
+        if t >= 1:
+            assert cached == prompt - len(plan.tail), (t, prompt, cached, len(plan.tail))
+        rec = session.records[-1]
+        assert (rec.prompt_tokens, rec.cached_tokens) == (prompt, cached)
+        assert rec.edited == bool(plan.directives) == rec.spliced
+        assert rec.splice_error is None
+    assert [r.edited for r in session.records] == [False] * 3 + [True] * 3
+
+
+@pytest.mark.sglang
+def test_chat_without_splice_reprefills_from_the_first_edit(
+    leyline_server: str, turns: list[list[dict[str, Any]]]
+) -> None:
+    session = LeylineSession(leyline_server, POLICY, splice=False)
+    plans = expected_plans(POLICY, turns[:4])
+    for messages in turns[:4]:
+        session.chat(messages, tools=TOOLS, max_tokens=1, temperature=0)
+    rec, plan = session.records[-1], plans[-1]
+    assert rec.edited and not rec.spliced
+    first_edit = min(d.start for d in plan.directives)
+    assert rec.cached_tokens <= first_edit < rec.prompt_tokens - len(plan.tail)
+    assert rec.cached_tokens == rec.best_cached_tokens
+
+
+def test_request_view_is_what_sglang_templates() -> None:
+    """Tools dumped through SGLang's ``Tool`` model and tool-call arguments parsed and re-dumped
+    render exactly as the view; the view is a fixed point."""
+    protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
+    tools = [
+        *TOOLS,
+        {"type": "function", "function": {"name": "x", "strict": True, "extra": 1}, "other": 2},
+        {"function": {"parameters": {}, "name": "y", "strict": None}, "defer_loading": True},
+    ]
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "x", "arguments": '{"a":1}'}}
+            ],
+        },
+    ]
+    view_messages, view_tools = chat_request_view(messages, tools)
+    served = [protocol.Tool.model_validate(t).model_dump() for t in tools]
+    assert json.dumps(view_tools) == json.dumps(served)
+    assert chat_request_view(view_messages, view_tools) == (view_messages, view_tools)
+    assert view_messages[1]["content"] == ""
+    assert view_messages[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert messages[1]["content"] is None  # the input is not modified
+    # SGLang templates no tools under tool_choice="none", only the named one under a named choice.
+    assert chat_request_view(messages, tools, "none")[1] is None
+    named = {"type": "function", "function": {"name": "run_tests"}}
+    assert chat_request_view(messages, tools, named)[1] == [served[1]]
