@@ -2,6 +2,182 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
 import typer
 
+from leyline_agent.replay import ARMS, DEFAULT_POLICY
+
+if TYPE_CHECKING:
+    from leyline_agent.client import LeylineClient
+
 app = typer.Typer(no_args_is_help=True, add_completion=False)
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+@app.command("replay")
+def replay(
+    traces: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            exists=True,
+            help="trace files or directories (SWE-agent .traj, debug-gym logs, OpenAI-message "
+            "JSONL); none: the built-in examples",
+        ),
+    ] = None,
+    examples: Annotated[
+        bool, typer.Option("--examples", help="also replay the built-in example traces")
+    ] = False,
+    policy: Annotated[
+        str, typer.Option(help="policy of the reprefill and splice arms, NAME[:key=value,...]")
+    ] = DEFAULT_POLICY,
+    arms: Annotated[str, typer.Option(help="comma-separated arms")] = ",".join(ARMS),
+    concurrency: Annotated[
+        str, typer.Option(help="comma-separated levels: sessions in flight at once")
+    ] = "1",
+    backend: Annotated[
+        str | None,
+        typer.Option(help="a running `leyline serve` URL; default: start the embedded one"),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="directory for results.json and the plots")] = Path(
+        "runs/replay"
+    ),
+    max_turns: Annotated[
+        int | None, typer.Option(min=1, help="replay only the first N turns of each trace")
+    ] = None,
+    model_path: Annotated[
+        Path | None,
+        typer.Option(help="model directory (tokenizer + chat template; served when embedded)"),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seeds the session submission order")] = 0,
+    agreement: Annotated[
+        bool, typer.Option(help="compare the splice arm's argmax with an exact path")
+    ] = True,
+) -> None:
+    """Replay agent traces turn by turn through the arms none, reprefill and splice.
+
+    Every turn sends the recorded messages (teacher-forced) and generates one token. Prints a
+    progress bar (stderr) and a table, writes OUT/results.json, OUT/hit_rate.png and
+    OUT/latency.png, and prints as the last stdout line one JSON document: {"arms": {ARM:
+    {"hit_rate", "best_hit_rate", "prompt_tokens", "cached_tokens", "prefilled_tokens",
+    "mean_turn_ms", "argmax_agreement", ...}}, "levels": {...}, ...} for the first concurrency
+    level. Exit status 2 when no trace was found. See docs/replay.md.
+    """
+    import httpx
+    from pydantic import ValidationError
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from leyline_agent.client import LeylineClient
+    from leyline_agent.policies import PolicyError, parse_policy
+    from leyline_agent.render import load_renderer
+    from leyline_agent.replay import examples_dir, report
+    from leyline_agent.replay.runner import ReplaySpec, replay, total_turns
+    from leyline_agent.traces import TraceFormatError, load
+
+    err = Console(stderr=True)
+    paths = list(traces or [])
+    if examples or not paths:
+        paths.append(examples_dir())
+    try:
+        levels = [int(c) for c in _csv(concurrency)]
+    except ValueError as e:
+        raise typer.BadParameter(f"expected integers such as 1,8: {e}", "--concurrency") from e
+    try:
+        spec = ReplaySpec(
+            traces=[str(p) for p in paths],
+            policy=policy,
+            arms=_csv(arms),  # type: ignore[arg-type]
+            concurrency=levels,
+            max_turns=max_turns,
+            model_path=str(model_path) if model_path else None,
+            backend=backend,
+            seed=seed,
+            agreement=agreement,
+        )
+        parse_policy(policy)
+    except ValidationError as e:
+        msg = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise typer.BadParameter(msg) from e
+    except PolicyError as e:
+        raise typer.BadParameter(str(e), param_hint="--policy") from e
+
+    try:
+        loaded = [t for p in paths for t in load(p) if t.turns]
+    except TraceFormatError as e:
+        raise typer.BadParameter(str(e), param_hint="TRACES") from e
+    if not loaded:
+        err.print(f"no traces found in {', '.join(map(str, paths))}")
+        raise typer.Exit(2)
+    renderer = load_renderer(model_path)
+
+    server = None
+    if backend is None:
+        from leyline_agent.server import EmbeddedServer, ServerError
+
+        err.print("starting the embedded `leyline serve` (CPU: about a minute) ...")
+        try:
+            server = EmbeddedServer(model_path=model_path, max_total_tokens=32768).start()
+        except ServerError as e:
+            err.print(str(e))
+            raise typer.Exit(1) from e
+        backend = server.url
+    client = LeylineClient(backend)
+    try:
+        backend_info = _backend_info(client)
+        progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        )
+        with progress:
+            task = progress.add_task(
+                f"{len(loaded)} traces x {len(spec.arms)} arms", total=total_turns(loaded, spec)
+            )
+            results = replay(
+                spec, client, renderer, loaded, on_turn=lambda _row: progress.advance(task)
+            )
+    except httpx.HTTPError as e:
+        err.print(f"backend {backend} failed: {type(e).__name__}: {e}")
+        raise typer.Exit(1) from e
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+
+    summary = report.summarize(results, spec.arms)
+    env = report.environment(backend_info)
+    trace_info = [
+        {"name": t.name, "source": t.source, "turns": len(t.turns[:max_turns])} for t in loaded
+    ]
+    path = report.write_results(out, spec, summary, results, trace_info, env)
+    plots = report.plot(out, summary, spec)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
+        console = Console(width=150)
+    console.print(report.table(summary, spec))
+    console.print(f"results: {path}; plots: {', '.join(str(p) for p in plots)}")
+    typer.echo(json.dumps(report.headline(summary, spec, path)))
+
+
+def _backend_info(client: LeylineClient) -> dict[str, Any]:
+    """The backend's URL and model (SGLang's ``/get_model_info``)."""
+    import httpx
+
+    info: dict[str, Any] = {"url": client.base_url}
+    try:
+        r = client.http.get("/get_model_info", timeout=10)
+        r.raise_for_status()
+        model = r.json()
+        info.update({k: model.get(k) for k in ("model_path", "load_format", "model_type")})
+    except httpx.HTTPError as e:
+        info["model_info_error"] = str(e)
+    return info

@@ -1,0 +1,116 @@
+"""The backend behind the proxies, and the in-process proxy of one arm.
+
+``open_backend`` yields what the run talks to: the embedded ``leyline serve`` (started and
+stopped here), a running ``leyline serve`` (``--backend``) or any OpenAI-compatible endpoint
+(``--llm-url``). ``probe_backend`` asks it whether it serves random weights (SGLang's
+``/get_model_info``: ``load_format == "dummy"``) and whether it can splice (``/leyline/stats``).
+``ProxyServer`` serves ``leyline_agent.proxy.create_app`` on a loopback thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from leyline_agent.evals.debug_gym.spec import EvalSpec
+from leyline_agent.server import free_port
+
+
+class EvalError(RuntimeError):
+    """The run could not start or a driver failed as a whole (message says why)."""
+
+
+@dataclass
+class Backend:
+    """What the proxy forwards to: ``url`` without ``/v1``; ``leyline``: it serves
+    ``/leyline/splice``; ``dummy``: it serves random weights."""
+
+    url: str
+    model: str
+    leyline: bool
+    dummy: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def probe_backend(url: str, model: str | None) -> Backend:
+    """Ask the backend what it is (SGLang's ``/get_model_info``, Leyline's ``/leyline/stats``)."""
+    url = _base_url(url)
+    info: dict[str, Any] = {"url": url}
+    with httpx.Client(base_url=url, timeout=10) as http:
+        try:
+            r = http.get("/get_model_info")
+            if r.status_code == 200:
+                data = r.json()
+                info.update({k: data.get(k) for k in ("model_path", "load_format", "model_type")})
+        except (httpx.HTTPError, ValueError) as e:
+            info["model_info_error"] = repr(e)
+        try:
+            leyline = http.get("/leyline/stats").status_code == 200
+        except httpx.HTTPError:
+            leyline = False
+        if model is None:
+            try:
+                model = http.get("/v1/models").json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                model = "default"
+    info["leyline"] = leyline
+    return Backend(url, model, leyline, info.get("load_format") == "dummy", info)
+
+
+@contextmanager
+def open_backend(spec: EvalSpec, log: Callable[[str], None]) -> Iterator[Backend]:
+    """The backend of the run; the embedded ``leyline serve`` is started and stopped here."""
+    if spec.llm_url or spec.backend:
+        yield probe_backend(spec.llm_url or spec.backend or "", spec.model)
+        return
+    from leyline_agent.server import EmbeddedServer
+
+    log("starting the embedded `leyline serve` (CPU: about a minute) ...")
+    model_path = Path(spec.model_path) if spec.model_path else None
+    with EmbeddedServer(model_path=model_path, max_total_tokens=32768, timeout=600) as srv:
+        yield probe_backend(srv.url, spec.model)
+
+
+class ProxyServer:
+    """``create_app(backend, policy, splice=...)`` served by uvicorn on a loopback thread."""
+
+    def __init__(self, backend: str, policy: str, *, splice: bool, model_path: str | None):
+        import uvicorn
+
+        from leyline_agent.proxy import create_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = create_app(backend, policy, splice=splice, model_path=model_path)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="leyline-proxy", daemon=True)
+
+    def __enter__(self) -> ProxyServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise EvalError(f"the proxy did not start on port {self.port}")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        r = httpx.get(f"{self.url}/leyline/sessions/{session_id}", timeout=30)
+        return r.json() if r.status_code == 200 else None

@@ -1,0 +1,307 @@
+"""Run froggy on mini_nightmare through the Leyline proxy, arm by arm.
+
+Per run::
+
+    venv = ensure_venv()                                  # debug-gym's own environment
+    backend = the embedded `leyline serve` | --backend | --llm-url
+    data = driver.py prepare                              # where the tasks are
+    for arm in arms:
+        with ProxyServer(backend, arm's policy, splice)   # in-process, a free loopback port
+            driver.py run                                 # debug-gym's venv; events on stdout
+            GET /leyline/sessions/{id} per task           # the proxy's per-turn records
+
+Every task's session is ``X-Leyline-Session: dg-<run>-<arm>-<task>``, so arms and runs never
+share the backend's cache namespace. The driver runs each task in a throwaway working directory
+under ``OUT/<arm>/workdirs`` (debug-gym copies the task there and removes it afterwards); tools run
+unsandboxed on this host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leyline_agent.evals.debug_gym.backend import Backend, EvalError, ProxyServer, open_backend
+from leyline_agent.evals.debug_gym.grammar import READ_ONLY_TOOLS, step_grammars, task_files
+from leyline_agent.evals.debug_gym.spec import FULL_TOOLS, EvalSpec, TaskResult, arm_switch
+from leyline_agent.evals.debug_gym.venv import DebugGymVenv, ensure_venv
+from leyline_agent.replay import Arm
+
+DRIVER = Path(__file__).with_name("driver.py")
+Event = dict[str, Any]
+
+
+def tools_for(spec: EvalSpec, constrained: bool) -> list[str]:
+    """The tool set: read-only under constraints, else ``FULL_TOOLS`` (``--tools`` overrides)."""
+    tools = list(spec.tools or (READ_ONLY_TOOLS if constrained else FULL_TOOLS))
+    if constrained and any(t not in READ_ONLY_TOOLS for t in tools):
+        raise EvalError(
+            f"with constrained (random-weight) tool calls only {', '.join(READ_ONLY_TOOLS)} are "
+            f"allowed; got {', '.join(tools)}"
+        )
+    return tools
+
+
+def terminal_env(venv: DebugGymVenv, tmp: Path) -> dict[str, str]:
+    """The terminal's whole environment: this venv's python (pytest, pandas) first on PATH, a
+    ``tree`` stand-in when the host has none, and nothing else of the runner's environment."""
+    path = [str(venv.bin_dir)]
+    if shutil.which("tree") is None:
+        path.append(str(venv.shim_dir))
+    path.append(os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"))
+    home = os.environ.get("HOME", str(tmp))
+    return {"PATH": os.pathsep.join(path), "HOME": home, "LANG": "C.UTF-8", "TMPDIR": str(tmp)}
+
+
+def _driver(
+    venv: DebugGymVenv,
+    command: str,
+    spec_doc: dict[str, Any],
+    spec_path: Path,
+    log_path: Path,
+    on_event: Callable[[Event], None],
+) -> list[Event]:
+    """Run ``driver.py COMMAND`` in debug-gym's venv; returns its events (stdout lines)."""
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec_doc, indent=1))
+    tmp = Path(spec_doc["out_dir"]) / "workdirs"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "PYTHONUNBUFFERED": "1",
+        "TMPDIR": str(tmp),
+    }
+    events: list[Event] = []
+    argv = [str(venv.python), "-P", str(DRIVER), command, str(spec_path)]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        try:
+            for line in proc.stdout or ():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                events.append(event)
+                on_event(event)
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave the driver running
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise EvalError(f"driver.py {command} failed ({rc}); log {log_path}:\n{tail}")
+    return events
+
+
+def prepare_data(spec: EvalSpec, venv: DebugGymVenv) -> dict[str, Any]:
+    """``{"data_dir", "source", "tasks"}`` from ``driver.py prepare``."""
+    out = spec.out_dir.resolve()
+    doc = {"data_dir": spec.data_dir and str(Path(spec.data_dir).resolve()), "out_dir": str(out)}
+    events = _driver(
+        venv, "prepare", doc, out / "prepare.json", out / "prepare.log", lambda e: None
+    )
+    return next(e for e in events if e.get("event") == "prepared")
+
+
+def session_totals(detail: dict[str, Any] | None) -> dict[str, int]:
+    """Token counters of one proxy session (``GET /leyline/sessions/{id}``)."""
+    records = (detail or {}).get("records") or []
+    edited = [r for r in records if r.get("edited")]
+
+    def total(rows: list[dict[str, Any]], key: str) -> int:
+        return int(sum(r.get(key) or 0 for r in rows))
+
+    prompt, prefilled = total(records, "prompt_tokens"), total(records, "prefilled_tokens")
+    return {
+        "turns": len(records),
+        "edited_turns": len(edited),
+        "spliced_turns": sum(bool(r.get("spliced")) for r in records),
+        "splice_misses": sum(r.get("splice_error") is not None for r in records),
+        "prompt_tokens": prompt,
+        "prefilled_tokens": prefilled,
+        "cached_tokens": max(0, prompt - prefilled),
+        "server_cached_tokens": total(records, "cached_tokens"),
+        "splice_prefilled_tokens": total(records, "splice_prefilled"),
+        "edited_prompt_tokens": total(edited, "prompt_tokens"),
+        "edited_prefilled_tokens": total(edited, "prefilled_tokens"),
+    }
+
+
+def policy_edited_turns(trajectory: Path, policy: str, model_path: str | None) -> int:
+    """Turns of a recorded episode on which ``policy`` edits the messages the agent sent.
+
+    Policies are deterministic, so this is exactly what the proxy's policy did; it tells the
+    policy's edits apart from the agent's own mutations (froggy's system prompt), which the proxy
+    also turns into directives.
+    """
+    from leyline_agent.traces.debug_gym import load
+    from leyline_agent.wrapper import ConversationWrapper
+
+    if policy == "none" or not trajectory.is_file():
+        return 0
+    wrapper = ConversationWrapper(model_path, policy)
+    return sum(
+        bool(wrapper.policy(wrapper.conversation(messages, trace.tools)))
+        for trace in load(trajectory)
+        for messages in trace.turns
+    )
+
+
+@dataclass
+class ArmContext:
+    """Everything ``run_arm`` needs besides the arm."""
+
+    spec: EvalSpec
+    venv: DebugGymVenv
+    backend: Backend
+    data_dir: Path
+    tools: list[str]
+    grammars: dict[str, dict[str, str]] | None
+    run_id: str
+    tokenizer_dir: Path
+
+
+def write_llm_config(ctx: ArmContext, proxy_url: str, path: Path) -> None:
+    """debug-gym's LLM registry file (``llm.yaml``; JSON is valid YAML)."""
+    entry = {
+        "model": ctx.backend.model,
+        "endpoint": f"{proxy_url}/v1",
+        "api_key": "leyline",  # the proxy sends no key upstream; never write a real one here
+        "tokenizer": str(ctx.tokenizer_dir),
+        "tags": ["vllm"],  # a local Hugging Face tokenizer: token counting works offline
+        "context_limit": ctx.spec.context_limit_k,
+        "generate_kwargs": {},
+    }
+    path.write_text(json.dumps({"leyline": entry}, indent=1))
+
+
+def run_arm(ctx: ArmContext, arm: Arm, on_event: Callable[[Event], None]) -> list[TaskResult]:
+    """All tasks under one arm; returns one result per task."""
+    spec = ctx.spec
+    switch = arm_switch(arm, spec.policy)
+    out = spec.out_dir.resolve() / arm
+    out.mkdir(parents=True, exist_ok=True)
+    sessions = {t: f"dg-{ctx.run_id}-{arm}-{t}" for t in spec.tasks}
+    with ProxyServer(
+        ctx.backend.url, switch.policy, splice=switch.splice, model_path=spec.model_path
+    ) as proxy:
+        write_llm_config(ctx, proxy.url, out / "llm.yaml")
+        doc = {
+            "arm": arm,
+            "tasks": spec.tasks,
+            "data_dir": str(ctx.data_dir),
+            "out_dir": str(out),
+            "llm_config": str(out / "llm.yaml"),
+            "llm_name": "leyline",
+            "max_steps": spec.max_steps,
+            "tools": ctx.tools,
+            "max_tokens": spec.max_tokens,
+            "temperature": spec.temperature,
+            "sessions": sessions,
+            "grammars": ctx.grammars,
+            "run_timeout": spec.run_timeout,
+            "terminal_env": terminal_env(ctx.venv, out / "workdirs"),
+            "max_attempts": spec.max_attempts,
+        }
+        ends: dict[str, Event] = {}
+
+        def forward(event: Event) -> None:
+            if event.get("event") == "task_end":
+                ends[event["task"]] = event
+            on_event({**event, "arm": arm})
+
+        _driver(ctx.venv, "run", doc, out / "driver.json", out / "driver.log", forward)
+        results = []
+        for task in spec.tasks:
+            end = ends.get(task, {"error": "the driver reported no result"})
+            fields = {
+                k: end[k]
+                for k in TaskResult.model_fields
+                if k in end and k not in ("arm", "task", "session")
+            }
+            detail = proxy.session(sessions[task])
+            if detail is not None and (out / task).is_dir():  # the proxy's per-turn records
+                (out / task / "proxy_session.json").write_text(json.dumps(detail, indent=1))
+            totals = session_totals(detail)
+            edits = policy_edited_turns(
+                out / task / "trajectory.json", switch.policy, spec.model_path
+            )
+            results.append(
+                TaskResult(
+                    arm=arm,
+                    task=task,
+                    session=sessions[task],
+                    policy_edited_turns=edits,
+                    **fields,
+                    **totals,
+                )
+            )
+    return results
+
+
+@dataclass
+class EvalRun:
+    spec: EvalSpec
+    results: list[TaskResult]
+    backend: dict[str, Any]
+    data: dict[str, Any]
+    tools: list[str]
+    constrained: bool
+    skipped_arms: dict[str, str]
+    wall_s: float
+
+
+def run_eval(
+    spec: EvalSpec,
+    *,
+    on_event: Callable[[Event], None] = lambda e: None,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> EvalRun:
+    """The whole evaluation (see the module docstring).
+
+    Raises:
+        EvalError, VenvError: the venv, the backend, the data or a driver failed as a whole.
+        ServerError: the embedded server did not come up.
+    """
+    from leyline_agent.tokenizer import default_tokenizer_dir
+
+    t0 = time.perf_counter()
+    venv = ensure_venv(Path(spec.venv) if spec.venv else None, log=log)
+    data = prepare_data(spec, venv)
+    data_dir = Path(data["data_dir"])
+    with open_backend(spec, log) as backend:
+        constrained = backend.dummy if spec.constrain is None else spec.constrain
+        tools = tools_for(spec, constrained)
+        grammars = None
+        if constrained:
+            grammars = {t: step_grammars(tools, task_files(data_dir / t)) for t in spec.tasks}
+        skipped = {}
+        if "splice" in spec.arms and not backend.leyline:
+            skipped["splice"] = f"{backend.url} is not a Leyline-enabled SGLang (no /leyline/stats)"
+            log(f"skipping the splice arm: {skipped['splice']}")
+        ctx = ArmContext(
+            spec, venv, backend, data_dir, tools, grammars, uuid.uuid4().hex[:8],
+            default_tokenizer_dir(),
+        )  # fmt: skip
+        results = []
+        for arm in spec.arms:
+            if arm not in skipped:
+                results += run_arm(ctx, arm, on_event)
+        info = backend.info
+    return EvalRun(spec, results, info, data, tools, constrained, skipped, time.perf_counter() - t0)

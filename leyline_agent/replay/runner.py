@@ -1,0 +1,239 @@
+"""Replay traces turn by turn through the arms, one ``SessionCore`` per (level, trace, arm).
+
+Arms (teacher-forced: each turn sends the recorded message list and generates one token):
+
+=============  ===========================  =====================================================
+arm            policy                       what the backend does
+=============  ===========================  =====================================================
+``none``       ``none``                     the history only grows; radix prefix caching at best
+``reprefill``  the policy, ``splice=False``  the edited prompt as is: cache hit up to the first
+                                            edit, everything after it re-prefilled
+``splice``     the policy, ``splice=True``   the edits as directives (``/leyline/splice``), then
+                                            the edited prompt
+=============  ===========================  =====================================================
+
+Every session has its own namespace (``extra_key``), so arms and levels never share cache entries.
+At concurrency level ``c`` the sessions of one level run on a pool of ``c`` threads (sessions run
+in parallel; the turns of one session stay in order).
+
+Argmax reference: on every spliced turn the splice session also sends the same edited prompt to a
+second namespace of its own that only ever gets exact prefills (prefix-cached, never spliced), and
+compares the first generated token with the spliced one. That doubles the prefill of spliced turns
+only; its time is not counted in any arm.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import jinja2
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from leyline_agent.client import LeylineClient
+from leyline_agent.policies import Policy, PolicyError, parse_policy
+from leyline_agent.render import Renderer
+from leyline_agent.replay import ARMS, DEFAULT_POLICY, Arm
+from leyline_agent.session import SessionCore, TurnRecord
+from leyline_agent.traces import Trace
+from leyline_agent.wrapper import ConversationWrapper
+
+
+class ReplaySpec(BaseModel):
+    """What to replay and how (the CLI's options; recorded in ``results.json``).
+
+    traces: trace files or directories as given (the built-in examples' directory included).
+    policy: policy spec of the ``reprefill`` and ``splice`` arms.
+    arms: arms to run, in report order.
+    concurrency: levels; at each, that many sessions run at once.
+    max_turns: replay only the first N turns of each trace (None: all).
+    seed: seeds the order in which a level's sessions are submitted.
+    agreement: run the argmax reference path on spliced turns.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    traces: list[str]
+    policy: str = DEFAULT_POLICY
+    arms: list[Arm] = Field(default_factory=lambda: list(ARMS), min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    max_turns: int | None = Field(default=None, ge=1)
+    model_path: str | None = None
+    backend: str | None = None
+    seed: int = 0
+    agreement: bool = True
+
+    @field_validator("arms")
+    @classmethod
+    def _unique_arms(cls, arms: list[Arm]) -> list[Arm]:
+        if len(set(arms)) != len(arms):
+            raise ValueError(f"arms given twice: {arms}")
+        return arms
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, levels: list[int]) -> list[int]:
+        if any(c < 1 for c in levels) or len(set(levels)) != len(levels):
+            raise ValueError(f"concurrency levels must be distinct integers >= 1, got {levels}")
+        return levels
+
+
+class TurnRow(TurnRecord):
+    """One replayed turn: the session's ``TurnRecord`` plus where it ran.
+
+    turn_ms: splice time + request time (end to end, as the agent waits).
+    reused_tokens: prompt tokens whose KV was not computed in this turn (prompt − prefilled).
+    reference_token: first token of the exact reference path (spliced turns of the splice arm).
+    argmax_agree: ``first_token == reference_token`` (None where no reference ran).
+    error: why the turn could not be planned (template or policy error); it was skipped.
+    """
+
+    level: int
+    arm: Arm
+    trace: str
+    turn_ms: float = 0.0
+    reused_tokens: int = 0
+    reference_token: int | None = None
+    argmax_agree: bool | None = None
+    error: str | None = None
+
+
+class LevelResult(NamedTuple):
+    level: int
+    rows: list[TurnRow]
+    wall_s: float
+
+
+def arm_policy(arm: Arm, policy: Policy) -> Policy | str:
+    return "none" if arm == "none" else policy
+
+
+def replay_session(
+    client: LeylineClient,
+    renderer: Renderer,
+    policy: Policy,
+    arm: Arm,
+    trace: Trace,
+    *,
+    level: int,
+    session_id: str,
+    max_turns: int | None = None,
+    agreement: bool = True,
+    on_turn: Callable[[TurnRow], None] | None = None,
+) -> list[TurnRow]:
+    """Replay one trace through one arm in a fresh namespace.
+
+    A turn whose messages the template or the policy rejects is skipped (``row.error``) and the
+    next one starts a fresh prompt. Raises ``httpx.HTTPError`` when the backend fails a request.
+    """
+    core = SessionCore(
+        client,
+        ConversationWrapper(renderer, arm_policy(arm, policy)),
+        session_id=session_id,
+        splice=arm == "splice",
+    )
+    reference_ns = f"{core.namespace}:ref"
+    rows: list[TurnRow] = []
+    for i, messages in enumerate(trace.turns[:max_turns]):
+        try:
+            record, _ = core.generate(messages, trace.tools)
+        except (jinja2.TemplateError, PolicyError) as e:
+            core.wrapper.reset()
+            row = TurnRow(
+                turn=i, prompt_tokens=0, cached_tokens=0, prefilled_tokens=0,
+                best_cached_tokens=0, level=level, arm=arm, trace=trace.name,
+                error=f"{type(e).__name__}: {e}",
+            )  # fmt: skip
+        else:
+            row = TurnRow(
+                **{**record.model_dump(), "turn": i},
+                level=level,
+                arm=arm,
+                trace=trace.name,
+                turn_ms=record.splice_ms + record.request_ms,
+                reused_tokens=max(0, record.prompt_tokens - record.prefilled_tokens),
+            )
+            if agreement and record.spliced:
+                ref = client.generate(core.wrapper.tokens, extra_key=reference_ns)
+                row.reference_token = ref.output_ids[0] if ref.output_ids else None
+                row.argmax_agree = row.reference_token == record.first_token
+        rows.append(row)
+        if on_turn is not None:
+            on_turn(row)
+    return rows
+
+
+def session_order(
+    traces: Sequence[Trace], arms: Sequence[Arm], level: int, seed: int
+) -> list[tuple[int, Arm]]:
+    """(trace index, arm) pairs: trace-major with the arms interleaved; shuffled (seeded) when
+    several sessions run at once, so that no arm systematically starts first."""
+    tasks = [(t, a) for t in range(len(traces)) for a in arms]
+    if level > 1:
+        random.Random(seed * 1000 + level).shuffle(tasks)
+    return tasks
+
+
+def run_level(
+    client: LeylineClient,
+    renderer: Renderer,
+    policy: Policy,
+    traces: Sequence[Trace],
+    spec: ReplaySpec,
+    level: int,
+    run_id: str,
+    on_turn: Callable[[TurnRow], None] | None = None,
+) -> LevelResult:
+    """Every (trace, arm) session of one concurrency level, ``level`` at a time."""
+    tasks = session_order(traces, spec.arms, level, spec.seed)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=level, thread_name_prefix=f"replay-c{level}") as pool:
+        futures = [
+            pool.submit(
+                replay_session,
+                client,
+                renderer,
+                policy,
+                arm,
+                traces[t],
+                level=level,
+                session_id=f"replay-{run_id}-c{level}-t{t}-{arm}",
+                max_turns=spec.max_turns,
+                agreement=spec.agreement,
+                on_turn=on_turn,
+            )  # fmt: skip
+            for t, arm in tasks
+        ]
+        rows = [row for f in futures for row in f.result()]
+    return LevelResult(level, rows, time.perf_counter() - t0)
+
+
+def replay(
+    spec: ReplaySpec,
+    client: LeylineClient,
+    renderer: Renderer,
+    traces: Sequence[Trace],
+    on_turn: Callable[[TurnRow], None] | None = None,
+) -> list[LevelResult]:
+    """Run every level of ``spec`` on ``traces``, in order.
+
+    Raises:
+        PolicyError: ``spec.policy`` is not a valid policy spec.
+        httpx.HTTPError: the backend failed a request.
+    """
+    policy = parse_policy(spec.policy)
+    run_id = uuid.uuid4().hex[:8]
+    return [
+        run_level(client, renderer, policy, traces, spec, level, run_id, on_turn)
+        for level in spec.concurrency
+    ]
+
+
+def total_turns(traces: Sequence[Trace], spec: ReplaySpec) -> int:
+    """Turns the whole run replays (for the progress bar)."""
+    per_arm = sum(len(t.turns[: spec.max_turns]) for t in traces)
+    return per_arm * len(spec.arms) * len(spec.concurrency)

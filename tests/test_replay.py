@@ -1,0 +1,150 @@
+"""`leyline replay`: the built-in examples, the trace loaders on the public traces, the totals, and
+the real CLI against a real ``leyline serve`` (the ``leyline_server`` fixture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leyline_agent.replay import ARMS, DEFAULT_POLICY, examples_dir
+from leyline_agent.replay.report import arm_totals, git_commit, summarize
+from leyline_agent.replay.runner import LevelResult, ReplaySpec, TurnRow, session_order
+from leyline_agent.traces import load
+from leyline_agent.wrapper import ConversationWrapper
+
+SHARED_TRACES = Path(
+    os.environ.get("LEYLINE_SHARED_TRACES", Path(__file__).resolve().parents[2] / "shared/traces")
+)
+HEADLINE_KEYS = {
+    "hit_rate": float,
+    "best_hit_rate": float,
+    "prompt_tokens": int,
+    "cached_tokens": int,
+    "prefilled_tokens": int,
+    "mean_turn_ms": float,
+}
+
+
+def test_examples_are_realistic_tool_sessions() -> None:
+    traces = load(examples_dir())
+    assert len(traces) == 3
+    for trace in traces:
+        assert 6 <= len(trace.turns) <= 10, trace.name
+        assert trace.tools, trace.name
+        wrapper = ConversationWrapper(None, DEFAULT_POLICY)
+        edited = 0
+        for messages in trace.turns:
+            plan = wrapper.plan(messages, trace.tools)
+            assert plan.exact
+            edited += bool(plan.directives)
+            wrapper.commit(plan)
+        assert edited >= 3, f"{trace.name}: the policy edits only {edited} turns"
+        last = trace.turns[-1]
+        rendered = wrapper.renderer.render(last, trace.tools)
+        tool_tokens = [
+            e - s for (s, e), m in zip(rendered.spans, last, strict=True) if m["role"] == "tool"
+        ]
+        assert tool_tokens and all(90 <= n <= 650 for n in tool_tokens), tool_tokens
+
+
+@pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"no public traces at {SHARED_TRACES}")
+def test_loaders_read_the_shared_traces() -> None:
+    for sub in ("swe-agent", "debug-gym"):
+        traces = load(SHARED_TRACES / sub)
+        assert traces, sub
+        assert all(t.turns and all(turn for turn in t.turns) for t in traces), sub
+        assert all(Path(t.source).is_relative_to(SHARED_TRACES) for t in traces)
+
+
+def _row(arm: str, turn: int, **kw: object) -> TurnRow:
+    base = dict(
+        turn=turn, prompt_tokens=100, cached_tokens=60, prefilled_tokens=40,
+        best_cached_tokens=60, level=1, arm=arm, trace="t", turn_ms=10.0, reused_tokens=60,
+    )  # fmt: skip
+    return TurnRow(**{**base, **kw})
+
+
+def test_totals_and_ratio() -> None:
+    rows = [
+        _row("reprefill", 0),
+        _row("reprefill", 1, turn_ms=30.0),
+        _row("splice", 0),
+        _row("splice", 1, prefilled_tokens=10, reused_tokens=90, best_cached_tokens=90,
+             edited=True, spliced=True, first_token=5, reference_token=5, argmax_agree=True),
+        _row("splice", 2, error="TemplateError: no"),
+    ]  # fmt: skip
+    t = arm_totals([r for r in rows if r.arm == "splice"])
+    assert (t["turns"], t["skipped_turns"], t["prompt_tokens"], t["prefilled_tokens"]) == (
+        2, 1, 200, 50,
+    )  # fmt: skip
+    assert t["cached_tokens"] == 150 and t["hit_rate"] == 0.75 and t["best_hit_rate"] == 0.75
+    assert t["argmax_agreement"] == 1.0 and t["argmax_turns"] == 1
+    assert arm_totals([r for r in rows if r.arm == "reprefill"])["argmax_agreement"] is None
+    s = summarize([LevelResult(1, rows, 1.0)], ["reprefill", "splice"])
+    assert s["1"]["splice_vs_reprefill_latency"] == pytest.approx(10.0 / 20.0)
+
+
+def test_session_order_is_seeded() -> None:
+    assert session_order([None, None], ARMS, 1, 0) == [(t, a) for t in range(2) for a in ARMS]  # type: ignore[list-item]
+    shuffled = session_order([None] * 3, ARMS, 8, 0)  # type: ignore[list-item]
+    assert shuffled == session_order([None] * 3, ARMS, 8, 0)  # type: ignore[list-item]
+    assert sorted(shuffled) == sorted(session_order([None] * 3, ARMS, 1, 0))  # type: ignore[list-item]
+
+
+def test_spec_rejects_bad_levels() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        ReplaySpec(traces=["x"], concurrency=[1, 1])
+    with pytest.raises(ValueError):
+        ReplaySpec(traces=["x"], arms=["splice", "fast"])  # type: ignore[list-item]
+
+
+def test_git_commit_reads_the_checkout() -> None:
+    commit = git_commit()
+    assert commit is None or len(commit) == 40
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(420)
+def test_replay_cli_on_examples(leyline_server: str, tmp_path: Path) -> None:
+    traces = sorted(examples_dir().glob("*.jsonl"))[:2]
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "leyline_agent.cli", "replay", *map(str, traces),
+            "--backend", leyline_server, "--max-turns", "5", "--concurrency", "2",
+            "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    arms = doc["arms"]
+    assert list(arms) == list(ARMS)
+    for name, a in arms.items():
+        for key, typ in HEADLINE_KEYS.items():
+            assert isinstance(a[key], typ), (name, key)
+        assert 0 <= a["cached_tokens"] <= a["prompt_tokens"], name
+        assert a["cached_tokens"] + a["prefilled_tokens"] == a["prompt_tokens"], name
+        assert a["best_hit_rate"] >= a["hit_rate"] - 0.02, name
+        assert a["turns"] == 2 * 5 and a["skipped_turns"] == 0, name
+    assert arms["splice"]["hit_rate"] > arms["reprefill"]["hit_rate"]
+    assert arms["splice"]["prefilled_tokens"] < arms["reprefill"]["prefilled_tokens"]
+    assert arms["splice"]["spliced_turns"] == arms["splice"]["edited_turns"] > 0
+    assert arms["splice"]["splice_errors"] == 0
+    assert 0.0 <= arms["splice"]["argmax_agreement"] <= 1.0
+    assert arms["none"]["argmax_agreement"] is None
+    assert doc["concurrency"] == 2 and set(doc["levels"]) == {"2"}
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["arguments"]["concurrency"] == [2]
+    env = results["environment"]
+    assert env["machine"]["cpu_count"] and env["versions"]["sglang"] and "commit" in env
+    assert env["backend"]["url"] == leyline_server
+    assert {t["level"] for t in results["turns"]} == {2}
+    for png in ("hit_rate.png", "latency.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
