@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from leyline_agent import __version__
+from leyline_agent.commands import bench, proxy, replay, serve, trace
 from leyline_agent.commands import eval as eval_cmd
-from leyline_agent.commands import proxy, replay, serve, trace
 
 app = typer.Typer(
     name="leyline",
@@ -22,6 +22,7 @@ app.add_typer(trace.app, name="trace", help="Check a model's chat template and p
 app.registered_commands += serve.app.registered_commands
 app.registered_commands += proxy.app.registered_commands
 app.registered_commands += replay.app.registered_commands
+app.add_typer(bench.app, name="bench", help="Experiments of the paper (fidelity).")
 app.add_typer(eval_cmd.app, name="eval", help="Live benchmarks through the Leyline proxy.")
 
 

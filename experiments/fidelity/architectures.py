@@ -1,0 +1,418 @@
+"""Splice mechanics on the attention shapes of the four MLA models of the paper (dummy weights).
+
+For each model, a config with its published MLA shapes (hidden size, heads, ``q_lora_rank``,
+``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, rope theta and
+scaling, context length) and everything else shrunk so that it runs on CPU: 2 layers (the first
+dense, the second MoE with 4 small experts, as ``first_k_dense_replace = 1`` in the real models),
+a 2048-token vocabulary, small FFNs. SGLang serves it with ``--load-format dummy`` (bf16). Checks,
+for a δ < 0 and a δ > 0 AMORTIZE splice on a 64-token sequence:
+
+- latent bit-identical: every downstream row's ``c_kv`` bits equal the pre-splice bits;
+- rope band exact: the stored ``k_pe`` equals the fp64 rotation of the old one by δ to 1 bf16 ulp
+  (``RopeSpec.from_hf_config`` of the served config);
+- cached after splice: the spliced sequence is in the tree and a follow-up ``/generate`` reuses
+  all of it but the last token;
+- KL(full ‖ AMORTIZE), KL(full ‖ FORGET) and KL(fresh ‖ FORGET) of the next-token distribution.
+  SGLang's dummy weights (uniform in ±1e-3) give an almost flat distribution (``logprob_spread``
+  = max - min log-probability is printed), so these KLs are ~0 and say nothing about quality;
+  the trained model of ``bench.py`` is where KL means something.
+
+If the server does not start, the model is retried with plain RoPE written as YaRN of factor 1
+(SGLang 0.5.23's CPU rope needs a scaling dict; see ``PLAIN_ROPE_AS_YARN``), then with the MoE
+layer made dense; every failure is kept in the row's ``errors``.
+
+Sources of the shapes are listed per model (``Arch.source`` / ``Arch.notes``); this machine has no
+network, so values were taken from what is known of the published ``config.json`` files and
+corroborated where possible (transformers 5.19's ``Glm4MoeLiteConfig`` defaults, public Megatron
+launch scripts). Unsure and assumed values are marked in the notes, which are printed.
+
+    python -m experiments.fidelity.architectures [--only NAME] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from experiments.fidelity.bench import _generate, kl
+from leyline_agent.directive import Directive, apply_directives
+from leyline_agent.kernels.rope import RopeSpec, rotate
+
+VOCAB = 2048
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One model: the published attention shapes and where they come from."""
+
+    name: str
+    architecture: str
+    model_type: str
+    source: str
+    shapes: dict[str, Any]
+    notes: tuple[str, ...] = field(default=())
+
+
+_V2_LITE_ROPE = {
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
+
+ARCHS: tuple[Arch, ...] = (
+    Arch(
+        "DeepSeek-V2-Lite",
+        "DeepseekV2ForCausalLM",
+        "deepseek_v2",
+        "huggingface.co/deepseek-ai/DeepSeek-V2-Lite, config.json",
+        {
+            "hidden_size": 2048,
+            "num_attention_heads": 16,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "rope_theta": 10000,
+            "rope_scaling": _V2_LITE_ROPE,
+            "max_position_embeddings": 163840,
+            "topk_method": "greedy",
+            "scoring_func": "softmax",
+        },
+        ("values from memory of the published config.json (no network here)",),
+    ),
+    Arch(
+        "Moonlight-16B-A3B",
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        "huggingface.co/moonshotai/Moonlight-16B-A3B, config.json",
+        {
+            "hidden_size": 2048,
+            "num_attention_heads": 16,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "rope_theta": 50000,
+            "rope_scaling": None,
+            "max_position_embeddings": 8192,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+        },
+        (
+            "values from memory of the published config.json (no network here); rope_theta "
+            "50000 and vocab 163840 match public Megatron scripts for Moonlight, one of which "
+            "notes that the published config has no rope_scaling",
+        ),
+    ),
+    Arch(
+        "GLM-4.7-Flash",
+        "Glm4MoeLiteForCausalLM",
+        "glm4_moe_lite",
+        "huggingface.co/zai-org/GLM-4.7-Flash, config.json",
+        {
+            "hidden_size": 2048,
+            "num_attention_heads": 20,
+            "q_lora_rank": 768,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 192,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 256,
+            "rope_theta": 1000000,
+            "rope_scaling": None,
+            "max_position_embeddings": 202752,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+        },
+        (
+            "MLA shapes = transformers 5.19 Glm4MoeLiteConfig defaults (vocab 154880, 47 layers, "
+            "20 heads, q_lora 768, kv_lora 512, nope 192, rope 64, v 256, 202752 positions), "
+            "also given as 'glm4.7' values in public Megatron scripts",
+            "UNSURE: rope_theta 1e6 and no rope scaling are from memory, not verified",
+        ),
+    ),
+    Arch(
+        "JoyAI-LLM-Flash",
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        "huggingface.co/jdopensource/JoyAI-LLM-Flash, README.md (model summary)",
+        {
+            "hidden_size": 2048,
+            "num_attention_heads": 32,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "rope_theta": 10000,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 32,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            "max_position_embeddings": 131072,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+        },
+        (
+            "model card: 40 layers (1 dense), hidden 2048, 32 heads, MLA, 256 experts (8 active, "
+            "1 shared, dim 768), vocab 129K, 128K context; model_type joyai_llm_flash "
+            "(custom code, described by vLLM-metax as a modified DeepSeek-V3)",
+            "NOT FOUND: its config.json was not available here; q_lora 1536, kv_lora 512, "
+            "nope 128, rope 64, v 128 and the YaRN rope (theta 1e4, factor 32 for 128K from 4K) "
+            "are ASSUMED DeepSeek-V3-style values",
+            "SGLang 0.5.23 has no JoyAI class: served as DeepseekV3ForCausalLM",
+        ),
+    ),
+)
+
+
+# NOTE: SGLang 0.5.23's CPU rope (``get_rope_cpu``) asserts a ``deepseek_yarn`` scaling. A model
+# without rope scaling is served on CPU with YaRN of factor 1 and unit mscales instead: the same
+# frequencies and cos/sin scale as plain RoPE (the ramp blends inv_freq with inv_freq / 1; both
+# mscales are 1 for factor <= 1).
+PLAIN_ROPE_AS_YARN = {
+    "type": "yarn",
+    "factor": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def hf_config(arch: Arch, *, moe: bool, plain_rope_as_yarn: bool = False) -> dict[str, Any]:
+    """The served config: published attention shapes, shrunk depth/width elsewhere."""
+    layers = 2
+    cfg: dict[str, Any] = {
+        "architectures": [arch.architecture],
+        "model_type": arch.model_type,
+        "vocab_size": VOCAB,
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": 1 if moe else layers,
+        "moe_layer_freq": 1,
+        "num_key_value_heads": arch.shapes["num_attention_heads"],
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+        **arch.shapes,
+    }
+    if arch.model_type == "glm4_moe_lite":
+        cfg["mlp_layer_types"] = ["dense"] + ["sparse" if moe else "dense"] * (layers - 1)
+    if plain_rope_as_yarn and cfg["rope_scaling"] is None:
+        cfg["rope_scaling"] = dict(
+            PLAIN_ROPE_AS_YARN, original_max_position_embeddings=cfg["max_position_embeddings"]
+        )
+    return cfg
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+def _rows(http: httpx.Client, tokens: list[int], key: str) -> dict[str, Any]:
+    r = http.post("/leyline/debug/inspect", json={"op": "rows", "tokens": tokens, "extra_key": key})
+    r.raise_for_status()
+    return r.json()
+
+
+def check_splices(url: str, cfg: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """The mechanics checks against a running server (debug endpoints on)."""
+    lora, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    spec = RopeSpec.from_hf_config(cfg)
+    rng = random.Random(seed)
+    out: dict[str, Any] = {"latent_identical": True, "rope_max_ulp": 0.0, "cached": True}
+    kls: dict[str, list[float]] = {"full_amortize": [], "full_forget": [], "fresh_forget": []}
+    run = uuid.uuid4().hex[:8]
+    with httpx.Client(base_url=url, timeout=600) as http:
+        for delta in (-4, 5):
+            toks = [rng.randrange(2, VOCAB) for _ in range(64)]
+            s, e = 20, 30
+            repl = tuple(rng.randrange(2, VOCAB) for _ in range(e - s + delta))
+            ka, kf, k0 = (f"arch-{run}-{delta}-{x}" for x in "af0")
+            full = _generate(http, [toks, toks], [ka, kf], VOCAB)
+            lps = full[0][0].values()
+            out["logprob_spread"] = max(out.get("logprob_spread", 0.0), max(lps) - min(lps))
+            before = _rows(http, toks, ka)
+            for key, mode in ((ka, "amortize"), (kf, "forget")):
+                d = Directive(start=s, end=e, replacement=repl, mode=mode)
+                body = {"tokens": toks, "directives": [d.model_dump(mode="json")], "extra_key": key}
+                r = http.post("/leyline/splice", json=body)
+                if r.status_code != 200:
+                    raise RuntimeError(f"splice {mode} failed ({r.status_code}): {r.text[:300]}")
+            new = apply_directives(toks, [Directive(start=s, end=e, replacement=repl)])
+            after = _rows(http, new, ka)
+            out["cached"] &= after["cached"] == len(new)
+            for layer in range(len(before["bits"])):
+                ob, nb = torch.tensor(before["bits"][layer]), torch.tensor(after["bits"][layer])
+                out["latent_identical"] &= bool(torch.equal(nb[:s], ob[:s]))
+                out["latent_identical"] &= bool(torch.equal(nb[e + delta :, :lora], ob[e:, :lora]))
+                old_pe = torch.tensor(before["values"][layer], dtype=torch.float64)[e:, lora:]
+                new_pe = torch.tensor(after["values"][layer], dtype=torch.float64)[
+                    e + delta :, lora:
+                ]
+                if old_pe.shape[-1] != rope_dim:
+                    raise RuntimeError(
+                        f"KV row has a {old_pe.shape[-1]}-wide rope band, not {rope_dim}"
+                    )
+                exact = rotate(old_pe, torch.full((old_pe.shape[0],), delta), spec)
+                ulps = ((new_pe - exact).abs() / _bf16_ulp(exact)).max().item()
+                out["rope_max_ulp"] = max(out["rope_max_ulp"], ulps)
+            gen = _generate(http, [new, new, new], [ka, kf, k0], VOCAB)
+            out["cached"] &= gen[0][1] == len(new) - 1 and gen[1][1] == len(new) - 1
+            kls["full_amortize"].append(kl(full[0][0], gen[0][0]))
+            kls["full_forget"].append(kl(full[1][0], gen[1][0]))
+            kls["fresh_forget"].append(kl(gen[2][0], gen[1][0]))
+    out["rope_exact"] = out["rope_max_ulp"] <= 1.0
+    out["kl"] = {k: max(v) for k, v in kls.items()}
+    out["dtype"] = before["dtype"]
+    return out
+
+
+def run_arch(arch: Arch, workdir: Path, log: Any) -> dict[str, Any]:
+    """Serve ``arch`` (MoE layer first; all-dense if that fails) and run the checks."""
+    from leyline_agent.server import EmbeddedServer, ServerError
+
+    row: dict[str, Any] = {
+        "name": arch.name,
+        "architecture": arch.architecture,
+        "source": arch.source,
+        "notes": list(arch.notes),
+        "shapes": arch.shapes,
+    }
+    errors: list[str] = []
+    attempts = [(True, False)]  # (MoE layer, plain rope served as YaRN factor 1)
+    while attempts:
+        moe, as_yarn = attempts.pop(0)
+        cfg = hf_config(arch, moe=moe, plain_rope_as_yarn=as_yarn)
+        label = ("dense+MoE" if moe else "dense") + (", rope as YaRN f=1" if as_yarn else "")
+        d = workdir / f"{arch.name}-{'moe' if moe else 'dense'}{'-yarn1' if as_yarn else ''}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+        t0 = time.perf_counter()
+        log(f"{arch.name}: serving {arch.architecture} ({label}) ...")
+        try:
+            with EmbeddedServer(
+                model_path=d,
+                max_total_tokens=4096,
+                timeout=600,
+                extra_args=["--dtype", "bfloat16", "--load-format", "dummy"]
+                + ["--skip-tokenizer-init"],
+                env={"LEYLINE_DEBUG_ENDPOINTS": "1"},
+            ) as srv:
+                row["startup_s"] = round(time.perf_counter() - t0, 1)
+                row.update(check_splices(srv.url, cfg))
+        except (ServerError, RuntimeError, httpx.HTTPError) as e:
+            msg = str(e).strip().splitlines()
+            errors.append(f"{label}: " + " | ".join(msg[-6:])[-800:])
+            log(f"  failed: {errors[-1][:300]}")
+            if "rope_scaling is not None" in str(e) and not as_yarn:
+                attempts.append((moe, True))
+            elif moe:
+                attempts.append((False, as_yarn))
+            continue
+        row.update(served=True, moe_layer=moe, rope_served_as_yarn_f1=as_yarn, errors=errors)
+        return row
+    row.update(served=False, errors=errors)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'model':<19}{'class':<24}{'heads':>6}{'lora':>6}{'nope':>6}{'rope':>6}{'v':>5}"
+        f"{'served':>8}{'MoE':>5}{'latent=':>9}{'rope ulp':>9}{'cached':>8}"
+        f"{'KL(full|A)':>12}{'KL(full|F)':>12}{'KL(fresh|F)':>12}{'lp spread':>10}"
+    )
+    lines = [head]
+    for r in rows:
+        s = r["shapes"]
+        base = (
+            f"{r['name']:<19}{r['architecture']:<24}{s['num_attention_heads']:>6}"
+            f"{s['kv_lora_rank']:>6}{s['qk_nope_head_dim']:>6}{s['qk_rope_head_dim']:>6}"
+            f"{s['v_head_dim']:>5}"
+        )
+        if not r.get("served"):
+            lines.append(base + f"{'no':>8}   see errors")
+            continue
+        k = r["kl"]
+        served = "yes*" if r.get("rope_served_as_yarn_f1") else "yes"
+        lines.append(
+            base + f"{served:>8}{'yes' if r['moe_layer'] else 'no':>5}"
+            f"{str(r['latent_identical']):>9}{r['rope_max_ulp']:>9.2f}{str(r['cached']):>8}"
+            f"{k['full_amortize']:>12.1e}{k['full_forget']:>12.1e}{k['fresh_forget']:>12.1e}"
+            f"{r['logprob_spread']:>10.1e}"
+        )
+    lines.append(
+        "  yes*: served with rope_scaling = YaRN factor 1 (numerically plain RoPE): SGLang 0.5.23's "
+        "CPU rope (get_rope_cpu) supports only deepseek_yarn and asserts rope_scaling is not None"
+    )
+    for r in rows:
+        for note in r["notes"]:
+            lines.append(f"  {r['name']}: {note}")
+        lines.append(f"  {r['name']}: source {r['source']}")
+        for err in r.get("errors", []):
+            lines.append(f"  {r['name']}: error {err[:400]}")
+    return "\n".join(lines)
+
+
+def run(only: str | None = None, log: Any = None) -> dict[str, Any]:
+    say = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    archs = [a for a in ARCHS if only is None or a.name == only]
+    if not archs:
+        raise ValueError(f"unknown model {only!r}; one of {[a.name for a in ARCHS]}")
+    with tempfile.TemporaryDirectory(prefix="leyline-arch-") as tmp:
+        rows = [run_arch(a, Path(tmp), say) for a in archs]
+    return {"experiment": "architectures", "vocab": VOCAB, "layers": 2, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="one model name")
+    parser.add_argument("--out", type=Path, default=None, help="write architectures.json here")
+    args = parser.parse_args(argv)
+    result = run(args.only)
+    print(table(result["rows"]))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "architectures.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
