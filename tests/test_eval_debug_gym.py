@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from shared_data import shared_dir
 from typer.testing import CliRunner
 
 from leyline_agent.evals.debug_gym.driver import allowed_tools
@@ -131,8 +132,8 @@ def _data_dir() -> str | None:
     env = os.environ.get("LEYLINE_MINI_NIGHTMARE")
     if env:
         return env
-    shared = REPO.parent / "shared" / "mini_nightmare"
-    return str(shared) if (shared / "counter" / ".debugignore").is_file() else None
+    shared = shared_dir("mini_nightmare")
+    return str(shared) if shared and (shared / "counter" / ".debugignore").is_file() else None
 
 
 @pytest.mark.sglang

@@ -4,12 +4,12 @@ the real CLI against a real ``leyline serve`` (the ``leyline_server`` fixture)."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from shared_data import shared_dir
 
 from leyline_agent.replay import ARMS, DEFAULT_POLICY, examples_dir
 from leyline_agent.replay.report import arm_totals, git_commit, summarize
@@ -17,9 +17,7 @@ from leyline_agent.replay.runner import LevelResult, ReplaySpec, TurnRow, sessio
 from leyline_agent.traces import load
 from leyline_agent.wrapper import ConversationWrapper
 
-SHARED_TRACES = Path(
-    os.environ.get("LEYLINE_SHARED_TRACES", Path(__file__).resolve().parents[2] / "shared/traces")
-)
+SHARED_TRACES = shared_dir("traces") or Path("/nonexistent/shared/traces")
 HEADLINE_KEYS = {
     "hit_rate": float,
     "best_hit_rate": float,

@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from shared_data import traces_dir
 
 from leyline_agent.policies import is_observation
 from leyline_agent.traces import TraceFormatError, load
-
-
-def traces_dir() -> Path:
-    root = Path(__file__).resolve().parents[1]
-    path = Path(os.environ.get("LEYLINE_TRACES_DIR", root.parent / "shared" / "traces"))
-    if not path.is_dir():
-        if os.environ.get("CI"):
-            pytest.fail(f"shared traces not found at {path} (set LEYLINE_TRACES_DIR)")
-        pytest.skip(f"shared traces not found at {path} (set LEYLINE_TRACES_DIR)")
-    return path
 
 
 def swe_files() -> list[Path]:

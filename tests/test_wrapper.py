@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shared_data import traces_dir
 
 from leyline_agent import ConversationWrapper, Directive, Mode
 from leyline_agent.directive import apply_directives
@@ -25,16 +24,6 @@ POLICIES = [
     "observation_window:n=2",
     r'redact:patterns=["bash-\\$","[0-9]{3,}"]',
 ]
-
-
-def traces_dir() -> Path:
-    root = Path(__file__).resolve().parents[1]
-    path = Path(os.environ.get("LEYLINE_TRACES_DIR", root.parent / "shared" / "traces"))
-    if not path.is_dir():
-        if os.environ.get("CI"):
-            pytest.fail(f"shared traces not found at {path} (set LEYLINE_TRACES_DIR)")
-        pytest.skip(f"shared traces not found at {path} (set LEYLINE_TRACES_DIR)")
-    return path
 
 
 @pytest.fixture(scope="module")
