@@ -28,11 +28,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
+
+from leyline_agent.cache import cache_root
 
 DEFAULT_VOCAB_SIZE = 200064
 DEFAULT_EOS_TOKEN_ID = 200001
@@ -269,11 +270,6 @@ def tokenizer_config() -> dict[str, object]:
     }
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("LEYLINE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "leyline"
-
-
 def _build_key(ranks_path: Path) -> str:
     h = hashlib.sha256()
     h.update(_BUILD_VERSION.encode())
@@ -297,7 +293,7 @@ def default_tokenizer_dir() -> Path:
         FileNotFoundError: ``tml-renderers`` (the source of the ranks file) is not installed.
     """
     ranks_path = o200k_file()
-    root = _cache_root() / "tokenizers"
+    root = cache_root() / "tokenizers"
     final = root / f"o200k-chatml-{_build_key(ranks_path)}"
     if (final / "tokenizer_config.json").is_file():
         return final

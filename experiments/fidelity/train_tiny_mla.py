@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 
 from experiments.fidelity.task import KINDS, PAD, Case, TaskSpec, edited, make_cases
 from experiments.fidelity.task import training_example as task_example
+from leyline_agent.cache import cache_root
 
 FILES_HASHED = ("train_tiny_mla.py", "task.py")
 
@@ -110,10 +110,6 @@ def model_config(spec: TrainSpec, task: TaskSpec) -> dict[str, Any]:
         "pad_token_id": PAD,
         "torch_dtype": "float32",
     }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LEYLINE_CACHE", Path.home() / ".cache" / "leyline"))
 
 
 def spec_hash(spec: TrainSpec, task: TaskSpec) -> str:

@@ -12,8 +12,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False)
 
 
 def default_model_dir() -> Path:
-    base = Path(os.environ.get("LEYLINE_CACHE", Path.home() / ".cache" / "leyline"))
-    return base / "embedded-deepseek-v2"
+    from leyline_agent.cache import cache_root
+
+    return cache_root() / "embedded-deepseek-v2"
 
 
 @app.command(

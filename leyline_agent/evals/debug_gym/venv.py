@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from leyline_agent.cache import cache_root
+
 DEBUG_GYM_VERSION = "1.3.0"
 NO_DEPS: tuple[str, ...] = (f"debug-gym=={DEBUG_GYM_VERSION}", "swesmith==0.0.4", "swebench==4.0.3")
 # debug-gym 1.3.0's Requires-Dist (swebench/swesmith excluded: installed without their deps).
@@ -83,11 +85,6 @@ class DebugGymVenv(NamedTuple):
 
 class VenvError(RuntimeError):
     """The debug-gym environment could not be created; the message says which step failed."""
-
-
-def cache_root() -> Path:
-    env = os.environ.get("LEYLINE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "leyline"
 
 
 def default_venv_dir() -> Path:
