@@ -53,6 +53,10 @@ def check(
     except PolicyError as e:
         raise typer.BadParameter(str(e), param_hint="--policy") from e
     renderer = load_renderer(model_path)
+    missing = [str(p) for p in paths if not Path(p).exists()]
+    if missing:
+        err.print(f"no such file or directory: {', '.join(missing)}")
+        raise typer.Exit(2)
     traces = [t for p in paths for t in load(p)]
     if not traces:
         err.print(f"no traces found in {', '.join(map(str, paths))}")

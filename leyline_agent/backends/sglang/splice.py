@@ -273,12 +273,12 @@ class SpliceExecutor:
         key = RadixKey(array("q", req.tokens), req.extra_key, cache_salt=req.cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key))
         cached = int(match.device_prefix_len)
-        need = max(d.end for d in ordered)
-        if cached == 0 or cached < need:
+        if cached < len(req.tokens):
             raise SpliceError(
                 409,
-                f"sequence not cached in namespace extra_key={req.extra_key!r}: {cached} of "
-                f"{len(req.tokens)} tokens cached, the directives reach position {need}; "
+                f"sequence not cached in namespace extra_key={req.extra_key!r}"
+                f"{f', cache_salt={req.cache_salt!r}' if req.cache_salt else ''}: only {cached} of "
+                f"{len(req.tokens)} tokens are cached (evicted, flushed, or never sent); "
                 "send the full request instead (it will be prefilled)",
             )
         last_node = match.last_device_node
