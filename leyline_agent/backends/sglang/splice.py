@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from leyline_agent.backends.sglang.protocol import SpliceRequest, SpliceResponse
 from leyline_agent.backends.sglang.radix import LeylineRadixCache
-from leyline_agent.directive import Directive, DirectiveError, Mode, plan_edit, sort_and_check
+from leyline_agent.directive import DirectiveError, Mode, plan_edit, sort_and_check
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
@@ -415,7 +415,3 @@ class SpliceExecutor:
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
             cached_before=cached,
         )
-
-
-def directive_from_json(obj: dict[str, Any]) -> Directive:
-    return Directive.model_validate(obj)
