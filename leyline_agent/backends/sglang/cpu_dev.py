@@ -8,7 +8,9 @@ Only applied by :func:`apply` when the host has no CUDA (``leyline serve`` sets
 2. The ``torch_native`` attention backend has no DeepSeek forward-method handler; without one the
    model falls back to the MHA prefill path and warm-up crashes with a shape mismatch. We map it to
    the absorbed MLA path (``AttnForwardMethod.MLA``), which is what the KV cache layout
-   ``[c_kv | k_pe]`` is built for.
+   ``[c_kv | k_pe]`` is built for. ``leyline serve`` uses ``leyline_cpu`` (``attention.py``) on
+   CPU, which maps its own name the same way when it is built; this mapping keeps
+   ``--attention-backend torch_native`` working too.
 """
 
 from __future__ import annotations

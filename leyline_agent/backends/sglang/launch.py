@@ -1,4 +1,11 @@
-"""Build the SGLang command line that ``leyline serve`` runs."""
+"""Build the SGLang command line that ``leyline serve`` runs.
+
+On a host without CUDA it serves on the CPU with ``--attention-backend leyline_cpu``
+(``attention.py``: ``torch_native`` whose extend attends from the new tokens only, so an extend
+after a long cached prefix costs ``new x total``, not ``total x total``). Pass
+``--attention-backend torch_native`` among the extra arguments to get SGLang's own back (the last
+occurrence wins).
+"""
 
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ def server_command(
     if cpu:
         argv += [
             "--device", "cpu",
-            "--attention-backend", "torch_native",
+            "--attention-backend", "leyline_cpu",
             "--disable-cuda-graph",
             "--sleep-on-idle",
         ]  # fmt: skip

@@ -4,6 +4,8 @@ SGLang's ``load_plugins()`` calls :func:`register` in every SGLang process (HTTP
 detokenizer), then applies the hooks. Each hook is small and named for what it changes:
 
 - ``register_radix_backend``: ``--radix-cache-backend leyline`` (``radix.LeylineRadixCache``).
+- ``register_attention_backend``: ``--attention-backend leyline_cpu`` (``attention.py``; the name
+  joins the argparse choices, which ``launch_server`` parses after ``load_plugins()``).
 - ``add_splice_dispatch`` (AFTER ``Scheduler.init_request_dispatcher``): the scheduler answers
   ``SpliceReqInput`` / ``InspectReqInput`` between batches.
 - ``add_communicators``: the tokenizer manager gets ``leyline_splice_communicator`` and
@@ -32,6 +34,7 @@ def register() -> None:
     if cpu_dev.enabled():
         cpu_dev.apply()
     register_radix_backend()
+    register_attention_backend()
     register_io_types()
     add_communicators()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -55,6 +58,12 @@ def register_radix_backend() -> None:
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, leyline_radix_cache_factory)
+
+
+def register_attention_backend() -> None:
+    from leyline_agent.backends.sglang.attention import register_backend
+
+    register_backend()
 
 
 def register_io_types() -> None:

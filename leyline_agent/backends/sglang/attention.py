@@ -1,0 +1,202 @@
+"""``--attention-backend leyline_cpu``: SGLang's ``torch_native`` backend, with an extend path that
+attends from the new tokens only.
+
+What it fixes. ``TorchNativeAttnBackend._run_sdpa_forward_extend``
+(``sglang/srt/layers/attention/torch_native_backend.py``, SGLang 0.5.23) pads each request's
+queries to the whole sequence (``per_req_query_redudant``, ``[heads, seq_len, qk_dim]``) and runs
+causal SDPA over ``seq_len x seq_len``, then keeps the last ``extend_len`` rows. An extend of a few
+tokens after a long cached prefix therefore costs as much as prefilling the whole sequence, which
+is exactly the case a splice (and every turn of a cached conversation) produces.
+
+What it does instead. :meth:`LeylineCpuAttnBackend._run_sdpa_forward_extend` replaces that one
+method, with the same signature and the same results; everything else (``forward_extend``,
+writing the new K/V to the pool, decode, sliding-window masks) is inherited. Per request:
+
+- queries: the request's ``extend_len`` new tokens, ``[q_heads, extend_len, qk_dim]``;
+- keys / values: prefix + new tokens gathered from the KV pool through ``req_to_token``,
+  ``[kv_heads, seq_len, qk_dim]`` and ``[kv_heads, seq_len, v_dim]``;
+- mask: query ``i`` sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``
+  (the lower-right causal mask, ``[extend_len, seq_len]``), intersected with the sliding window
+  when the layer has one; plain ``is_causal`` when there is no prefix; none when the layer is not
+  causal (cross-attention, encoder-only).
+
+The work per request drops from ``seq_len^2`` to ``extend_len * seq_len``. Measured with
+``experiments/backend/bench_cpu_attention.py`` (one layer call, bf16, MLA absorbed widths, 8 new
+tokens, one thread on a busy 2-core machine): seq_len 1024 / 4096 / 8192 took 0.07 / 1.8 / 9.4 s
+padded and 0.9 / 7.9 / 12.7 ms here, with identical outputs.
+
+Shapes it handles, as the parent does: MHA and GQA (``enable_gqa`` when query and KV head counts
+differ), and MLA absorbed, where the key buffer is ``[slots, 1, kv_lora_rank + rope_dim]`` and the
+value buffer is a view of its first ``kv_lora_rank`` columns (``MLATokenToKVPool``), so ``v_dim``
+differs from ``qk_dim``. Scaling is ``layer.scaling``. Like ``torch_native``, it does not apply
+``layer.logit_cap`` (no soft cap).
+
+DeepSeek models choose their attention forward method per backend name
+(``AttentionBackendRegistry`` in ``sglang/srt/models/deepseek_common``); the factory maps
+``leyline_cpu`` to the absorbed MLA path, the layout the KV cache ``[c_kv | k_pe]`` is built for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from torch.nn.functional import scaled_dot_product_attention
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+BACKEND_NAME = "leyline_cpu"
+
+
+class LeylineCpuAttnBackend(TorchNativeAttnBackend):
+    """``torch_native`` with an extend that attends from the new tokens only (module docstring)."""
+
+    @staticmethod
+    def _offset_causal_mask(
+        *, q_len: int, kv_len: int, query_offset: int, device: torch.device
+    ) -> torch.Tensor:
+        """``[q_len, kv_len]`` bool, True where query ``i`` (at ``query_offset + i``) may attend."""
+        q_pos = torch.arange(query_offset, query_offset + q_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+        return k_pos <= q_pos
+
+    def _run_sdpa_forward_extend(
+        self,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        extend_prefix_lens: torch.Tensor,
+        extend_seq_lens: torch.Tensor,
+        encoder_lens: torch.Tensor | None = None,
+        scaling: float | None = None,
+        enable_gqa: bool = False,
+        causal: bool = False,
+        is_cross_attn: bool = False,
+        sliding_window_size: int | None = None,
+    ) -> torch.Tensor:
+        """Extend attention, new-token queries only; same arguments and result as the parent.
+
+        Args:
+            query: ``[num_new_tokens, q_heads, qk_dim]``, requests one after another.
+            output: ``[num_new_tokens, q_heads, v_dim]``, written in place.
+            k_cache: ``[slots, kv_heads, qk_dim]``; v_cache: ``[slots, kv_heads, v_dim]``.
+            req_to_token: ``[max_reqs, max_context_len]`` slot of each request's tokens.
+            req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens: ``[num_reqs]``;
+                ``seq_lens = extend_prefix_lens + extend_seq_lens``.
+            encoder_lens: ``[num_reqs]`` or None (encoder-decoder models).
+
+        Returns:
+            ``output``.
+        """
+        n = seq_lens.shape[0]
+        assert extend_prefix_lens.shape[0] == n and extend_seq_lens.shape[0] == n
+        seq_lens_l = seq_lens.tolist()
+        prefix_lens_l = extend_prefix_lens.tolist()
+        extend_lens_l = extend_seq_lens.tolist()
+        encoder_lens_l = encoder_lens.tolist() if encoder_lens is not None else None
+        window = sliding_window_size if sliding_window_size is not None else -1
+
+        # [num_tokens, heads, dim] -> [heads, num_tokens, dim]
+        query = query.movedim(0, query.dim() - 2)
+        start_q = 0
+        for i in range(n):
+            extend_len, prefix_len, seq_len_kv = extend_lens_l[i], prefix_lens_l[i], seq_lens_l[i]
+            end_q = start_q + extend_len
+            if extend_len == 0:
+                continue
+            if encoder_lens_l is None:
+                start_kv, end_kv = 0, seq_len_kv
+            elif is_cross_attn:
+                start_kv, end_kv = 0, encoder_lens_l[i]
+            else:
+                start_kv, end_kv = encoder_lens_l[i], encoder_lens_l[i] + seq_len_kv
+
+            per_req_query = query[:, start_q:end_q, :]
+            per_req_tokens = req_to_token[req_pool_indices[i], start_kv:end_kv]
+            per_req_key = k_cache[per_req_tokens].movedim(0, query.dim() - 2)
+            per_req_value = v_cache[per_req_tokens].movedim(0, query.dim() - 2)
+            if not (per_req_query.dtype == per_req_key.dtype == per_req_value.dtype):
+                per_req_key = per_req_key.to(per_req_query.dtype)
+                per_req_value = per_req_value.to(per_req_query.dtype)
+
+            attn_mask, is_causal = None, False
+            if causal and window > -1:
+                attn_mask = self._make_sliding_window_mask(
+                    q_len=extend_len,
+                    kv_len=end_kv - start_kv,
+                    sliding_window_size=window,
+                    device=per_req_query.device,
+                    query_offset=prefix_len,
+                )
+            elif causal and prefix_len > 0:
+                attn_mask = self._offset_causal_mask(
+                    q_len=extend_len,
+                    kv_len=end_kv - start_kv,
+                    query_offset=prefix_len,
+                    device=per_req_query.device,
+                )
+            elif causal:
+                is_causal = True  # no prefix: the ordinary (upper-left) causal mask
+
+            per_req_out = scaled_dot_product_attention(
+                per_req_query.unsqueeze(0),
+                per_req_key.unsqueeze(0),
+                per_req_value.unsqueeze(0),
+                attn_mask=attn_mask,
+                enable_gqa=enable_gqa,
+                scale=scaling,
+                is_causal=is_causal,
+            )
+            output[start_q:end_q, :, :] = per_req_out.squeeze(0).movedim(query.dim() - 2, 0)
+            start_q = end_q
+        return output
+
+
+def register_deepseek_forward_method() -> None:
+    """Map ``leyline_cpu`` to DeepSeek's absorbed MLA forward method (idempotent).
+
+    Without a handler DeepSeek falls back to ``triton``'s, which picks the MHA prefill path for
+    prefix-free extends; that path does not match the MLA KV layout this backend reads.
+    """
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+    )
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    AttentionBackendRegistry.register(BACKEND_NAME, lambda *args: AttnForwardMethod.MLA)
+
+
+def create_leyline_cpu_backend(runner: ModelRunner) -> LeylineCpuAttnBackend:
+    """The ``ATTENTION_BACKENDS`` factory. It runs in the scheduler (the process that runs the
+    model), before the first forward, so the DeepSeek handler is registered where it is read."""
+    register_deepseek_forward_method()
+    return LeylineCpuAttnBackend(runner)
+
+
+def register_backend() -> None:
+    """Make ``--attention-backend leyline_cpu`` valid (idempotent).
+
+    Adds the factory to SGLang's ``ATTENTION_BACKENDS`` (``attention_registry.py``) and the name
+    to ``ATTENTION_BACKEND_CHOICES``, the list object the ``--attention-backend`` /
+    ``--prefill-attention-backend`` / ``--decode-attention-backend`` argparse choices hold.
+    ``launch_server`` calls ``load_plugins()`` before it parses the command line, so the name is
+    accepted there, and every SGLang process that builds a model finds the factory.
+    """
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+
+    if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_leyline_cpu_backend:
+        register_attention_backend(BACKEND_NAME)(create_leyline_cpu_backend)
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        ATTENTION_BACKEND_CHOICES.append(BACKEND_NAME)
