@@ -8,12 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from shared_data import shared_dir
 
+from leyline_agent.client import LeylineClient
+from leyline_agent.policies import parse_policy
 from leyline_agent.replay import ARMS, DEFAULT_POLICY, examples_dir
-from leyline_agent.replay.report import arm_totals, git_commit, summarize
-from leyline_agent.replay.runner import LevelResult, ReplaySpec, TurnRow, session_order
+from leyline_agent.replay.report import arm_totals, git_commit, plot, summarize, table
+from leyline_agent.replay.runner import (
+    LevelResult,
+    ReplaySpec,
+    TurnRow,
+    replay_session,
+    session_order,
+)
 from leyline_agent.traces import load
 from leyline_agent.wrapper import ConversationWrapper
 
@@ -144,5 +153,108 @@ def test_replay_cli_on_examples(leyline_server: str, tmp_path: Path) -> None:
     assert env["machine"]["cpu_count"] and env["versions"]["sglang"] and "commit" in env
     assert env["backend"]["url"] == leyline_server
     assert {t["level"] for t in results["turns"]} == {2}
-    for png in ("hit_rate.png", "latency.png"):
+    for png in ("prefilled.png", "prefilled_turns.png", "hit_rate.png", "latency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _mock_client(limit: int, status: int = 400) -> LeylineClient:
+    """A client whose backend answers ``/generate`` like SGLang: ``status`` for prompts longer
+    than ``limit`` tokens (the context), else one token with nothing cached."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        n = len(json.loads(request.content)["input_ids"])
+        if n > limit:
+            msg = f"The input ({n} tokens) is longer than the model's context length ({limit})."
+            return httpx.Response(status, json={"error": {"message": msg}})
+        return httpx.Response(
+            200, json={"output_ids": [7], "meta_info": {"prompt_tokens": n, "cached_tokens": 0}}
+        )
+
+    client = LeylineClient("http://mock")
+    client.http = httpx.Client(base_url="http://mock", transport=httpx.MockTransport(handle))
+    return client
+
+
+def test_a_refused_turn_is_skipped_and_counted() -> None:
+    trace = load(examples_dir())[0]
+    wrapper = ConversationWrapper(None, "none")
+    sizes = []
+    for messages in trace.turns:
+        plan = wrapper.plan(messages, trace.tools)
+        sizes.append(len(plan.tokens))
+        wrapper.commit(plan)
+    limit = sizes[2] - 1  # turn 2 onwards exceed the "context"
+    rows = replay_session(
+        _mock_client(limit), None, parse_policy("none"), "none", trace,  # type: ignore[arg-type]
+        level=1, session_id="refused", agreement=False,
+    )  # fmt: skip
+    assert [r.error is None for r in rows] == [n <= limit for n in sizes]
+    skipped = [r for r in rows if r.error is not None]
+    assert skipped and all(r.skip_reason == "HTTP 400" for r in skipped)
+    assert "longer than the model's context length" in skipped[0].error
+    t = arm_totals(rows)
+    assert t["turns"] == 2 and t["skipped_turns"] == len(sizes) - 2
+    assert t["skip_reasons"] == {"HTTP 400": len(sizes) - 2}
+    assert t["prompt_tokens"] == sizes[0] + sizes[1]
+
+
+def test_a_backend_failure_still_ends_the_run() -> None:
+    trace = load(examples_dir())[0]
+    with pytest.raises(httpx.HTTPStatusError):
+        replay_session(
+            _mock_client(0, status=500), None, parse_policy("none"), "none", trace,  # type: ignore[arg-type]
+            level=1, session_id="down", agreement=False,
+        )  # fmt: skip
+
+
+def test_table_and_plots_lead_with_prefilled_tokens(tmp_path: Path) -> None:
+    rows = [
+        _row("none", 0), _row("none", 1), _row("splice", 0),
+        _row("splice", 1, error="HTTP 400: too long", skip_reason="HTTP 400"),
+    ]  # fmt: skip
+    spec = ReplaySpec(traces=["x"], arms=["none", "splice"])
+    summary = summarize([LevelResult(1, rows, 1.0)], spec.arms)
+    t = table(summary, spec)
+    assert [c.header for c in t.columns][2:4] == ["prefilled", "vs none"]
+    assert "1 (1 HTTP 400)" in t.columns[7]._cells
+    assert "lower hit rate than `none`" in str(t.caption)
+    paths = plot(tmp_path, summary, spec, [LevelResult(1, rows, 1.0)])
+    assert [p.name for p in paths] == [
+        "prefilled.png", "prefilled_turns.png", "hit_rate.png", "latency.png"
+    ]  # fmt: skip
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(300)
+def test_replay_cli_skips_a_turn_longer_than_the_server_allows(
+    leyline_server: str, tmp_path: Path
+) -> None:
+    base = [
+        {"role": "system", "content": "You debug code."},
+        {"role": "user", "content": "The build fails; find out why."},
+        {"role": "assistant", "content": "Let me read the build log."},
+    ]
+    huge = " ".join(f"line{i}" for i in range(9000))  # about 20k tokens: over the 16,384 pool
+    turns = [
+        base[:2],
+        [*base, {"role": "user", "content": huge}],
+        [*base, {"role": "user", "content": "The log is too long; the error is in setup.py."}],
+    ]
+    trace = tmp_path / "long_log.jsonl"
+    trace.write_text("".join(json.dumps(t) + "\n" for t in turns))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "leyline_agent.cli", "replay", str(trace),
+            "--backend", leyline_server, "--arms", "none", "--no-agreement", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    arm = json.loads(proc.stdout.strip().splitlines()[-1])["arms"]["none"]
+    assert (arm["turns"], arm["skipped_turns"], arm["skip_reasons"]) == (2, 1, {"HTTP 400": 1})
+    assert "1 (1 HTTP 400)" in proc.stdout
+    turns_out = json.loads((out / "results.json").read_text())["turns"]
+    assert [t["skip_reason"] for t in turns_out] == [None, "HTTP 400", None]
+    assert "exceeds the maximum allowed length" in turns_out[1]["error"]

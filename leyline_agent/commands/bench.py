@@ -1,4 +1,5 @@
-"""`leyline bench`: experiments that need a source checkout (``experiments/`` beside the package).
+"""`leyline bench`: ``splice`` (engine level, runs from an installed package) and ``fidelity``
+(needs a source checkout: ``experiments/`` beside the package).
 
 Heavy imports stay inside the commands.
 """
@@ -7,8 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -62,9 +65,19 @@ def fidelity(
         int | None, typer.Option(help="training steps when training (default: the script's)")
     ] = None,
     architectures: Annotated[
-        bool, typer.Option(help="also run the mechanics checks on the four MLA shapes")
+        bool,
+        typer.Option(
+            "--architectures/--no-architectures",
+            help="also run the mechanics checks on the four MLA shapes",
+            metavar="",
+        ),
     ] = True,
-    drift: Annotated[bool, typer.Option(help="also measure rope drift of composed splices")] = True,
+    drift: Annotated[
+        bool,
+        typer.Option(
+            "--drift/--no-drift", help="also measure rope drift of composed splices", metavar=""
+        ),
+    ] = True,
     seed: Annotated[int, typer.Option(help="case generation seed")] = 1,
 ) -> None:
     """The fidelity experiment (paper §4.3): full context vs AMORTIZE vs FORGET.
@@ -110,3 +123,101 @@ def fidelity(
     typer.echo(f"wrote {out / 'results.json'} and {out / 'fidelity.png'}")
     summary = {d: b["summary"] for d, b in results["bench"].items()}
     typer.echo(json.dumps({"out": str(out), "model": str(model_path), "summary": summary}))
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return [int(x.strip().lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)
+                for x in text.split(",") if x.strip()]  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(f"expected lengths such as 1k,4k or 256,512: {e}") from e
+
+
+@app.command()
+def splice(
+    lengths: Annotated[
+        str, typer.Option(help="cached sequence lengths, comma-separated (k = 1024)")
+    ] = "1k,4k,16k,32k",
+    repeats: Annotated[int, typer.Option(min=1, help="trials per length (medians reported)")] = 3,
+    edit_start: Annotated[int, typer.Option(min=0, help="first replaced token")] = 16,
+    edit_end: Annotated[int, typer.Option(min=1, help="end of the replaced span")] = 48,
+    replacement: Annotated[int, typer.Option(min=0, help="tokens of the replacement")] = 8,
+    new_tokens: Annotated[
+        int, typer.Option(min=1, help="new tokens appended in the request after the edit")
+    ] = 4,
+    backend: Annotated[
+        str | None,
+        typer.Option(
+            help="a running `leyline serve` URL (any device); default: start the embedded one"
+        ),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="results directory")] = Path("runs/bench_splice"),
+    seed: Annotated[int, typer.Option(help="seeds the token ids")] = 0,
+) -> None:
+    """Engine-level latency of an edit near the start of a long cached sequence.
+
+    Per length L: cache L random tokens, then time (a) POST /leyline/splice (one AMORTIZE
+    directive) plus the next request, which should hit the cache in full, against (b) the same
+    request re-prefilled in a cold namespace. Breaks the splice call down into replacement
+    prefill, rotation and tree work (when the server reports them) and reads the server's peak
+    RSS (when this command started it). Prints a table, writes OUT/results.json and
+    OUT/splice.png, and prints as the last stdout line {"lengths": {L: {"splice_ms", "next_ms",
+    "splice_total_ms", "reprefill_ms", "speedup", "splice_hit", ...}}, "out": ...}. See
+    docs/bench_splice.md.
+    """
+    import httpx
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from leyline_agent.bench import splice as sb
+    from leyline_agent.client import LeylineClient, SpliceRejected
+    from leyline_agent.replay.report import environment
+
+    try:
+        spec = sb.SpliceBenchSpec(
+            lengths=_lengths(lengths), repeats=repeats, edit_start=edit_start, edit_end=edit_end,
+            replacement=replacement, new_tokens=new_tokens, seed=seed, backend=backend,
+        )  # fmt: skip
+        spec.check()
+    except (ValidationError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from e
+
+    server = None
+    if backend is None:
+        from leyline_agent.commands.serve import CPU_MAX_TOTAL_TOKENS
+        from leyline_agent.server import EmbeddedServer, ServerError
+
+        pool = max(CPU_MAX_TOTAL_TOKENS, 4 * (max(spec.lengths) + 1024))
+        _err(f"starting the embedded `leyline serve` (pool {pool:,} tokens; CPU: about a minute)")
+        try:
+            server = EmbeddedServer(max_total_tokens=pool).start()
+        except ServerError as e:
+            _err(str(e))
+            raise typer.Exit(1) from e
+        backend = server.url
+    client = LeylineClient(backend)
+    memory: Callable[[], dict[str, Any]] = (
+        partial(sb.process_memory, server.proc.pid)
+        if server is not None and server.proc is not None
+        else partial(sb.stats_memory, client)
+    )
+    try:
+        trials, mem = sb.run(spec, client, memory=memory, log=_err)
+        backend_info = {"url": backend, "started_here": server is not None}
+    except (SpliceRejected, httpx.HTTPError) as e:
+        _err(f"backend {backend} failed: {type(e).__name__}: {e}")
+        raise typer.Exit(1) from e
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+
+    summary = sb.summarize(trials, mem)
+    path = sb.write_results(out, spec, summary, trials, environment(backend_info))
+    png = sb.plot(out, summary, spec)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=150)
+    console.print(sb.table(summary, spec))
+    console.print(f"results: {path}; plot: {png}")
+    typer.echo(json.dumps({"lengths": summary, "out": str(out), "memory_note": sb.MEMORY_NOTE}))

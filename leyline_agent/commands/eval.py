@@ -49,7 +49,7 @@ def debug_gym(
         typer.Option(help="mini_nightmare tasks (default: debug-gym's cache or download)"),
     ] = None,
     out: Annotated[Path, typer.Option(help="results.json, tokens.png, logs")] = Path(
-        "debug-gym-results"
+        "runs/debug_gym"
     ),
     tools: Annotated[
         str | None,

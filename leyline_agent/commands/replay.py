@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -31,7 +33,8 @@ def replay(
         ),
     ] = None,
     examples: Annotated[
-        bool, typer.Option("--examples", help="also replay the built-in example traces")
+        bool,
+        typer.Option("--examples", help="also replay the built-in example traces", metavar=""),
     ] = False,
     policy: Annotated[
         str, typer.Option(help="policy of the reprefill and splice arms, NAME[:key=value,...]")
@@ -56,17 +59,26 @@ def replay(
     ] = None,
     seed: Annotated[int, typer.Option(help="seeds the session submission order")] = 0,
     agreement: Annotated[
-        bool, typer.Option(help="compare the splice arm's argmax with an exact path")
+        bool,
+        typer.Option(
+            "--agreement/--no-agreement",
+            help="compare the splice arm's argmax with an exact path",
+            metavar="",
+        ),
     ] = True,
 ) -> None:
     """Replay agent traces turn by turn through the arms none, reprefill and splice.
 
     Every turn sends the recorded messages (teacher-forced) and generates one token. Prints a
-    progress bar (stderr) and a table, writes OUT/results.json, OUT/hit_rate.png and
-    OUT/latency.png, and prints as the last stdout line one JSON document: {"arms": {ARM:
-    {"hit_rate", "best_hit_rate", "prompt_tokens", "cached_tokens", "prefilled_tokens",
-    "mean_turn_ms", "argmax_agreement", ...}}, "levels": {...}, ...} for the first concurrency
-    level. Exit status 2 when no trace was found. See docs/replay.md.
+    progress bar on stderr (plain lines every 10 s when stderr is not a terminal) and a table led by
+    the prefilled tokens per arm; writes OUT/results.json, OUT/prefilled.png (per arm),
+    OUT/prefilled_turns.png (per turn along each trace), OUT/hit_rate.png and OUT/latency.png, and
+    prints as the last stdout line one JSON document: {"arms": {ARM: {"prefilled_tokens",
+    "prompt_tokens", "cached_tokens", "hit_rate", "best_hit_rate", "mean_turn_ms",
+    "skipped_turns", "skip_reasons", "argmax_agreement", ...}}, "levels": {...}, ...} for the
+    first concurrency level. A turn that cannot run (the template or policy rejects it, or the
+    backend refuses it with a 4xx, e.g. longer than the context) is skipped and counted with its
+    reason. Exit status 2 when no trace was found. See docs/replay.md.
     """
     import httpx
     from pydantic import ValidationError
@@ -118,11 +130,14 @@ def replay(
 
     server = None
     if backend is None:
+        from leyline_agent.commands.serve import CPU_MAX_TOTAL_TOKENS
         from leyline_agent.server import EmbeddedServer, ServerError
 
         err.print("starting the embedded `leyline serve` (CPU: about a minute) ...")
         try:
-            server = EmbeddedServer(model_path=model_path, max_total_tokens=32768).start()
+            server = EmbeddedServer(
+                model_path=model_path, max_total_tokens=CPU_MAX_TOTAL_TOKENS
+            ).start()
         except ServerError as e:
             err.print(str(e))
             raise typer.Exit(1) from e
@@ -130,21 +145,24 @@ def replay(
     client = LeylineClient(backend)
     try:
         backend_info = _backend_info(client)
-        progress = Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-        )
-        with progress:
-            task = progress.add_task(
-                f"{len(loaded)} traces x {len(spec.arms)} arms", total=total_turns(loaded, spec)
+        label = f"{len(loaded)} traces x {len(spec.arms)} arms"
+        total = total_turns(loaded, spec)
+        if err.is_terminal:
+            progress = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=err,
+                transient=True,
             )
-            results = replay(
-                spec, client, renderer, loaded, on_turn=lambda _row: progress.advance(task)
-            )
+            with progress:
+                task = progress.add_task(label, total=total)
+                results = replay(
+                    spec, client, renderer, loaded, on_turn=lambda _row: progress.advance(task)
+                )
+        else:  # a log file: plain lines, not a live bar
+            results = replay(spec, client, renderer, loaded, on_turn=PlainProgress(label, total))
     except httpx.HTTPError as e:
         err.print(f"backend {backend} failed: {type(e).__name__}: {e}")
         raise typer.Exit(1) from e
@@ -159,13 +177,34 @@ def replay(
         {"name": t.name, "source": t.source, "turns": len(t.turns[:max_turns])} for t in loaded
     ]
     path = report.write_results(out, spec, summary, results, trace_info, env)
-    plots = report.plot(out, summary, spec)
+    plots = report.plot(out, summary, spec, results)
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
         console = Console(width=150)
     console.print(report.table(summary, spec))
     console.print(f"results: {path}; plots: {', '.join(str(p) for p in plots)}")
     typer.echo(json.dumps(report.headline(summary, spec, path)))
+
+
+class PlainProgress:
+    """``on_turn`` callback for a log file: one line on stderr every ``every_s`` seconds and at the
+    end (thread-safe: sessions run in parallel)."""
+
+    def __init__(self, label: str, total: int, every_s: float = 10.0):
+        self.label, self.total, self.every_s = label, total, every_s
+        self.done = 0
+        self.t0 = self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def __call__(self, row: object) -> None:
+        with self.lock:
+            self.done += 1
+            now = time.monotonic()
+            if now - self.last < self.every_s and self.done < self.total:
+                return
+            self.last = now
+            line = f"replay {self.label}: {self.done}/{self.total} turns, {now - self.t0:.0f} s"
+        typer.echo(line, err=True)
 
 
 def _backend_info(client: LeylineClient) -> dict[str, Any]:

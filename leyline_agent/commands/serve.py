@@ -10,6 +10,13 @@ import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
+# NOTE: two embedded-model contexts (131,072 tokens each, model.py); an MLA row of the embedded
+# model is (64 + 16) x 2 bytes x 2 layers = 320 bytes, so the pool is about 80 MiB.
+CPU_MAX_TOTAL_TOKENS = 262144
+# NOTE: SGLang's request table is [max_running_requests, context + 4] int32: at its CPU default
+# (2048 requests) and a 131,072-token context that is 1 GiB; 64 requests keep it at 32 MiB.
+CPU_MAX_RUNNING_REQUESTS = 64
+
 
 def default_model_dir() -> Path:
     from leyline_agent.cache import cache_root
@@ -34,15 +41,23 @@ def serve(
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     dtype: Annotated[str | None, typer.Option(help="KV/model dtype (SGLang --dtype).")] = None,
     max_total_tokens: Annotated[
-        int | None, typer.Option(help="KV pool size in tokens (default 32768 on CPU).")
+        int | None,
+        typer.Option(help=f"KV pool size in tokens (default {CPU_MAX_TOTAL_TOKENS} on CPU)."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option(help="Print the SGLang command and exit.")] = False,
+    max_running_requests: Annotated[
+        int | None,
+        typer.Option(help=f"Requests in flight (default {CPU_MAX_RUNNING_REQUESTS} on CPU)."),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the SGLang command and exit.", metavar="")
+    ] = False,
 ) -> None:
     """Launch SGLang with the Leyline plugin: POST /leyline/splice, the leyline radix cache.
 
     Extra arguments are passed to SGLang's launch_server unchanged. Without CUDA it enables the
-    CPU dev mode (two patches, see leyline_agent/backends/sglang/cpu_dev.py) and the torch_native
-    attention backend.
+    CPU dev mode (leyline_agent/backends/sglang/cpu_dev.py) and the leyline_cpu attention backend,
+    and sizes the KV pool for two contexts of the embedded model (131,072 tokens each). The
+    OpenAI endpoints serve the model under its path (SGLang's --served-model-name overrides it).
     """
     try:
         from leyline_agent.backends.sglang.launch import cuda_available, server_command
@@ -58,10 +73,15 @@ def serve(
     elif not (model_path / "config.json").is_file():
         raise typer.BadParameter(f"{model_path} has no config.json", param_hint="--model-path")
     if cpu and max_total_tokens is None:
-        max_total_tokens = 32768
+        max_total_tokens = CPU_MAX_TOTAL_TOKENS
+    if cpu and max_running_requests is None:
+        max_running_requests = CPU_MAX_RUNNING_REQUESTS
+    extra = list(ctx.args)
+    if max_running_requests is not None:
+        extra = ["--max-running-requests", str(max_running_requests), *extra]
     argv, env = server_command(
         model_path, port=port, host=host, dummy=dummy, dtype=dtype,
-        max_total_tokens=max_total_tokens, extra=list(ctx.args), cpu=cpu,
+        max_total_tokens=max_total_tokens, extra=extra, cpu=cpu,
     )  # fmt: skip
     if dry_run:
         typer.echo(" ".join(argv))

@@ -31,9 +31,17 @@ def check(
 
     Per turn: apply the policy, render with the model's chat template, diff against the previous
     turn's prompt, and check that applying the directives and appending the tail gives exactly the
-    rendered prompt. Prints a table, then as the last stdout line
-    {"traces", "turns", "exact", "edited_turns", "directives"}. A turn the template or the policy
-    rejects is reported on stderr and counts as not exact. Exit status 1 when a turn is not exact,
+    rendered prompt. Use a policy that edits (e.g. stale_tool_outputs:keep_last=2): with the
+    default `none` the history only grows and nothing is spliced.
+
+    Table, per trace: turns; exact (turns whose directives + tail reproduce the prompt token for
+    token); edited (turns with at least one directive); directives; fallback (turns where tokens differed
+    although the messages did not, template instability or changed tools, or where one covering
+    directive replaced the rest); errors (turns the template or the policy
+    rejected, reported on stderr, counted as not exact); prompt (tokens of the last prompt);
+    prefill (tokens a splicing engine prefills over the whole trace: new tails plus
+    replacements). The last stdout line is {"traces", "turns", "exact", "edited_turns",
+    "directives"}, the same counts summed over all traces. Exit status 1 when a turn is not exact,
     2 when no trace was found.
     """
     import jinja2

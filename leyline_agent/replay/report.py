@@ -33,6 +33,11 @@ from rich.table import Table
 from leyline_agent.replay import Arm
 from leyline_agent.replay.runner import LevelResult, ReplaySpec, TurnRow
 
+HIT_RATE_NOTE = (
+    "read prefilled tokens first: hit rate is cached / prompt, and an edited (shorter) prompt has a "
+    "smaller denominator, so an arm that edits can show a lower hit rate than `none` while "
+    "prefilling the same number of tokens"
+)
 AGREEMENT_NOTE = (
     "argmax agreement compares the splice arm's first token with an exact (re-prefilled) path on "
     "the same tokens; with the embedded model's random weights it is a mechanics figure, not "
@@ -58,12 +63,18 @@ def arm_totals(rows: Sequence[TurnRow]) -> dict[str, Any]:
     prefilled = sum(r.prefilled_tokens for r in done)
     cached = sum(r.reused_tokens for r in done)
     best = sum(r.best_cached_tokens for r in done)
+    reasons: dict[str, int] = {}
+    for r in rows:
+        if r.error is not None:
+            key = r.skip_reason or "error"
+            reasons[key] = reasons.get(key, 0) + 1
     turn_ms = [r.turn_ms for r in done]
     edited_ms = [r.turn_ms for r in done if r.edited]
     checked = [r for r in done if r.argmax_agree is not None]
     return {
         "turns": len(done),
         "skipped_turns": len(rows) - len(done),
+        "skip_reasons": reasons,
         "edited_turns": sum(r.edited for r in done),
         "spliced_turns": sum(r.spliced for r in done),
         "splice_errors": sum(r.splice_error is not None for r in done),
@@ -109,12 +120,13 @@ def summarize(levels: Sequence[LevelResult], arms: Sequence[Arm]) -> dict[str, A
 
 
 _HEADLINE = (
-    "hit_rate",
-    "best_hit_rate",
+    "prefilled_tokens",
     "prompt_tokens",
     "cached_tokens",
-    "prefilled_tokens",
+    "hit_rate",
+    "best_hit_rate",
     "mean_turn_ms",
+    "skipped_turns",
     "argmax_agreement",
 )
 
@@ -136,27 +148,42 @@ def headline(summary: dict[str, Any], spec: ReplaySpec, results: Path | None) ->
         "policy": spec.policy,
         "results": str(results) if results else None,
         "note": AGREEMENT_NOTE,
+        "hit_rate_note": HIT_RATE_NOTE,
     }
 
 
+def _skipped(a: dict[str, Any]) -> str:
+    if not a["skipped_turns"]:
+        return "0"
+    why = ", ".join(f"{n} {k}" for k, n in a["skip_reasons"].items())
+    return f"{a['skipped_turns']} ({why})"
+
+
 def table(summary: dict[str, Any], spec: ReplaySpec) -> Table:
-    t = Table(title=f"leyline replay (policy {spec.policy})", caption=AGREEMENT_NOTE)
+    """Prefilled tokens first (the figure that carries over to GPUs), then hit rate, latency."""
+    t = Table(
+        title=f"leyline replay (policy {spec.policy})",
+        caption=f"{HIT_RATE_NOTE}. {AGREEMENT_NOTE}",
+    )
     t.add_column("conc", justify="right")
     t.add_column("arm")
-    for col in ("turns", "edited", "prompt", "prefilled", "hit", "best", "turn ms", "ttft ms"):
+    for col in ("prefilled", "vs none", "prompt", "turns", "edited", "skipped", "hit", "best"):
+        t.add_column(col, justify="right", no_wrap=col != "skipped")
+    for col in ("turn ms", "ttft ms", "splice ms", "argmax"):
         t.add_column(col, justify="right", no_wrap=True)
-    t.add_column("splice ms", justify="right", no_wrap=True)
-    t.add_column("argmax", justify="right", no_wrap=True)
     for lv, s in summary.items():
+        base = s["arms"].get("none", {}).get("prefilled_tokens")
         for i, (arm, a) in enumerate(s["arms"].items()):
             agree = a["argmax_agreement"]
             t.add_row(
                 lv if i == 0 else "",
                 arm,
+                f"{a['prefilled_tokens']:,}",
+                f"{a['prefilled_tokens'] / base:.2f}x" if base else "-",
+                f"{a['prompt_tokens']:,}",
                 str(a["turns"]),
                 str(a["edited_turns"]),
-                f"{a['prompt_tokens']:,}",
-                f"{a['prefilled_tokens']:,}",
+                _skipped(a),
                 f"{a['hit_rate']:.1%}",
                 f"{a['best_hit_rate']:.1%}",
                 f"{a['mean_turn_ms']:.0f}",
@@ -235,6 +262,7 @@ def write_results(
         "arguments": spec.model_dump(mode="json"),
         "environment": env,
         "note": AGREEMENT_NOTE,
+        "hit_rate_note": HIT_RATE_NOTE,
         "traces": list(traces),
         "levels": summary,
         "turns": [r.model_dump(mode="json") for lv in levels for r in lv.rows],
@@ -244,21 +272,89 @@ def write_results(
     return path
 
 
-def plot(out: Path, summary: dict[str, Any], spec: ReplaySpec) -> list[Path]:
-    """``hit_rate.png`` (measured bars, theoretical best as outlines) and ``latency.png`` (mean
-    turn time with p50–p90 whiskers), grouped by concurrency level, one bar per arm."""
+def _turn(row: TurnRow) -> int:
+    return row.turn
+
+
+def _short(text: str, n: int = 34) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def plot(
+    out: Path,
+    summary: dict[str, Any],
+    spec: ReplaySpec,
+    levels_rows: Sequence[LevelResult] = (),
+) -> list[Path]:
+    """``prefilled.png`` (tokens prefilled per arm, grouped by concurrency level),
+    ``prefilled_turns.png`` (tokens prefilled per turn along each trace, first level; only with
+    ``levels_rows``), ``hit_rate.png`` (measured bars, theoretical best as outlines) and
+    ``latency.png`` (mean turn time with p50–p90 whiskers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     levels = list(summary)
     arms = list(spec.arms)
     width = 0.8 / len(arms)
     colors = {"none": "#8c8c8c", "reprefill": "#d62728", "splice": "#1f77b4"}
     paths = []
+    policy = _short(spec.policy, 48)
 
-    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(levels), 3.6))
+    fig, ax = plt.subplots(figsize=(max(4.8, 2.6 + 1.6 * len(levels)), 3.6))
+    for k, arm in enumerate(arms):
+        xs = [i + (k - (len(arms) - 1) / 2) * width for i in range(len(levels))]
+        pre = [summary[lv]["arms"][arm]["prefilled_tokens"] for lv in levels]
+        bars = ax.bar(xs, pre, width * 0.9, label=arm, color=colors.get(arm))
+        ax.bar_label(bars, [f"{v:,}" for v in pre], fontsize=6, padding=1)
+    ax.set_xticks(range(len(levels)), [f"c={lv}" for lv in levels])
+    ax.set_ylabel("tokens prefilled (all turns)")
+    ax.margins(y=0.15)
+    ax.set_title(f"tokens prefilled per arm (lower is better)\n{policy}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", ncol=len(arms), frameon=False)
+    fig.tight_layout()
+    paths.append(out / "prefilled.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    if levels_rows:
+        rows = list(levels_rows[0].rows)
+        traces = list(dict.fromkeys(r.trace for r in rows))
+        shown = traces[:6]
+        ncol = min(3, len(shown))
+        nrow = -(-len(shown) // ncol)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(3.4 * ncol, 2.6 * nrow + 0.5), squeeze=False)
+        for ax, name in zip(axes.flat, shown, strict=False):
+            for arm in arms:
+                rs = sorted((r for r in rows if r.trace == name and r.arm == arm), key=_turn)
+                ax.plot(
+                    [r.turn for r in rs],
+                    [r.prefilled_tokens for r in rs],
+                    "o-", ms=3, lw=1.2, label=arm, color=colors.get(arm),
+                )  # fmt: skip
+                skipped = [r.turn for r in rs if r.error is not None]
+                ax.plot(skipped, [0] * len(skipped), "x", color=colors.get(arm), ms=6)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_title(_short(name), fontsize=8)
+            ax.set_xlabel("turn", fontsize=8)
+            ax.tick_params(labelsize=7)
+        for ax in axes.flat[len(shown) :]:
+            ax.axis("off")
+        axes[0][0].set_ylabel("tokens prefilled", fontsize=8)
+        axes[0][0].legend(fontsize=7)
+        more = f" (first {len(shown)} of {len(traces)} traces)" if len(traces) > len(shown) else ""
+        fig.suptitle(
+            f"tokens prefilled per turn, c={levels_rows[0].level}{more}; x: skipped turn",
+            fontsize=9,
+        )
+        fig.tight_layout()
+        paths.append(out / "prefilled_turns.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(4.8, 2.2 + 1.6 * len(levels)), 3.6))
     for k, arm in enumerate(arms):
         xs = [i + (k - (len(arms) - 1) / 2) * width for i in range(len(levels))]
         hit = [summary[lv]["arms"][arm]["hit_rate"] for lv in levels]
@@ -268,14 +364,18 @@ def plot(out: Path, summary: dict[str, Any], spec: ReplaySpec) -> list[Path]:
     ax.set_xticks(range(len(levels)), [f"c={lv}" for lv in levels])
     ax.set_ylabel("prompt tokens reused (hit rate)")
     ax.set_ylim(0, 1.18)
-    ax.set_title(f"cache hit rate per arm (dashed: theoretical best)\n{spec.policy}", fontsize=9)
+    ax.set_title(
+        "cache hit rate per arm (dashed: theoretical best)\n"
+        "an edited, shorter prompt lowers it at equal prefill",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper center", ncol=len(arms), frameon=False)
     fig.tight_layout()
     paths.append(out / "hit_rate.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(levels), 3.6))
+    fig, ax = plt.subplots(figsize=(max(4.8, 2.2 + 1.6 * len(levels)), 3.6))
     for k, arm in enumerate(arms):
         xs = [i + (k - (len(arms) - 1) / 2) * width for i in range(len(levels))]
         a = [summary[lv]["arms"][arm] for lv in levels]

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import httpx
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -89,7 +90,11 @@ class TurnRow(TurnRecord):
     reused_tokens: prompt tokens whose KV was not computed in this turn (prompt − prefilled).
     reference_token: first token of the exact reference path (spliced turns of the splice arm).
     argmax_agree: ``first_token == reference_token`` (None where no reference ran).
-    error: why the turn could not be planned (template or policy error); it was skipped.
+    error: why the turn could not run (template or policy error, or the backend refused the
+        request with a 4xx status, e.g. a prompt longer than the model's context); it was skipped
+        and the next turn started a fresh prompt.
+    skip_reason: the short form of ``error`` that the totals count (``TemplateError``,
+        ``PolicyError``, ``HTTP 400``, ...).
     """
 
     level: int
@@ -100,6 +105,7 @@ class TurnRow(TurnRecord):
     reference_token: int | None = None
     argmax_agree: bool | None = None
     error: str | None = None
+    skip_reason: str | None = None
 
 
 class LevelResult(NamedTuple):
@@ -127,8 +133,12 @@ def replay_session(
 ) -> list[TurnRow]:
     """Replay one trace through one arm in a fresh namespace.
 
-    A turn whose messages the template or the policy rejects is skipped (``row.error``) and the
-    next one starts a fresh prompt. Raises ``httpx.HTTPError`` when the backend fails a request.
+    A turn that cannot run is skipped (``row.error``, ``row.skip_reason``) and the next one starts
+    a fresh prompt: the template or the policy rejects its messages, or the backend refuses the
+    request with a 4xx status (a prompt longer than the context, ids out of range).
+
+    Raises:
+        httpx.HTTPError: the backend failed a request otherwise (5xx, unreachable).
     """
     core = SessionCore(
         client,
@@ -141,12 +151,15 @@ def replay_session(
     for i, messages in enumerate(trace.turns[:max_turns]):
         try:
             record, _ = core.generate(messages, trace.tools)
-        except (jinja2.TemplateError, PolicyError) as e:
+        except (jinja2.TemplateError, PolicyError, httpx.HTTPStatusError) as e:
+            if isinstance(e, httpx.HTTPStatusError) and not e.response.is_client_error:
+                raise
             core.wrapper.reset()
+            reason, message = skip_reason(e)
             row = TurnRow(
                 turn=i, prompt_tokens=0, cached_tokens=0, prefilled_tokens=0,
                 best_cached_tokens=0, level=level, arm=arm, trace=trace.name,
-                error=f"{type(e).__name__}: {e}",
+                error=message, skip_reason=reason,
             )  # fmt: skip
         else:
             row = TurnRow(
@@ -165,6 +178,20 @@ def replay_session(
         if on_turn is not None:
             on_turn(row)
     return rows
+
+
+def skip_reason(e: Exception) -> tuple[str, str]:
+    """(short reason, message) of a turn that could not run."""
+    if isinstance(e, httpx.HTTPStatusError):
+        try:
+            detail = e.response.json()
+            detail = detail.get("error", detail) if isinstance(detail, dict) else detail
+            if isinstance(detail, dict):
+                detail = detail.get("message", detail)
+        except ValueError:
+            detail = e.response.text
+        return f"HTTP {e.response.status_code}", f"HTTP {e.response.status_code}: {detail}"[:500]
+    return type(e).__name__, f"{type(e).__name__}: {e}"
 
 
 def session_order(

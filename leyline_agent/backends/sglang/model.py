@@ -2,8 +2,10 @@
 
 Random weights: it exercises the mechanics (MLA KV layout ``[c_kv | k_pe]``, YaRN RoPE, the radix
 cache, splices) and says nothing about quality. The shapes follow DeepSeek-V2's MLA with every
-size shrunk; ``rope_scaling`` is YaRN with ``mscale = mscale_all_dim = 0.707`` so that the cos/sin
-cache carries a non-unit scale (the δ-rotation must not apply it twice). The vocabulary is the
+size shrunk; ``rope_scaling`` is YaRN ×16 over 8,192 original positions, so the context is 131,072
+tokens (as long as real agent trajectories: a 50-turn debug-gym run reaches 52k), with
+``mscale = mscale_all_dim = 0.707`` as in DeepSeek-V2 (the cos/sin scale is then 1; the softmax
+scale carries YaRN's ``mscale_all_dim`` term). The vocabulary is the
 embedded tokenizer's (tiktoken ``o200k_base`` plus ChatML specials, 200064 ids), copied into the
 model directory so that server and wrapper use the same tokenizer and chat template.
 """
@@ -40,12 +42,12 @@ EMBEDDED_CONFIG: dict[str, Any] = {
     "routed_scaling_factor": 1.0,
     "scoring_func": "softmax",
     "norm_topk_prob": False,
-    "max_position_embeddings": 32768,
+    "max_position_embeddings": 131072,
     "rope_theta": 10000.0,
     "rope_scaling": {
         "type": "yarn",
         "rope_type": "yarn",
-        "factor": 4.0,
+        "factor": 16.0,
         "original_max_position_embeddings": 8192,
         "beta_fast": 32,
         "beta_slow": 1,

@@ -1,0 +1,6 @@
+"""Engine-level benchmarks run from an installed package (``leyline bench splice``).
+
+- ``splice.py``: a splice plus the next request vs re-prefilling the edited sequence, per length.
+
+The experiments that need a source checkout (``leyline bench fidelity``) live in ``experiments/``.
+"""
