@@ -14,6 +14,9 @@ falls there. Spans tile the prompt: the tokens before ``spans[0]`` are the
 template's preamble, those after ``spans[-1]`` the generation prompt. A token that straddles a
 boundary belongs to the message it starts in. The spans are a best effort for templates that render
 a message differently depending on what follows; nothing downstream relies on them for correctness.
+
+A full render costs one template rendering per message prefix; ``render_cache.IncrementalRenderer``
+returns the same result re-rendering and re-encoding only what changed since an earlier render.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 import json
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
+from sys import maxsize
 from typing import Any, NamedTuple
 
 import jinja2
@@ -81,29 +85,68 @@ def _content_text(message: Message) -> str:
     return ""
 
 
-def _clamp_to_contents(bounds: list[int], messages: Sequence[Message], text: str) -> None:
+class Found(NamedTuple):
+    """Where a message's content was found in the prompt text (``at < 0``: not found).
+
+    need: the text must agree up to here for a search from the same position to find the same
+        (``end`` for a verbatim match; past any text for a stripped match or none).
+    """
+
+    at: int
+    end: int
+    need: int
+
+
+def content_positions(messages: Sequence[Message], text: str, pos: int = 0) -> list[Found | None]:
+    """Each message's content found in ``text`` in order from ``pos`` (stripped where the verbatim
+    content is absent); None for an empty content."""
+    found: list[Found | None] = []
+    for m in messages:
+        c = _content_text(m)
+        if not c:
+            found.append(None)
+            continue
+        at = text.find(c, pos)
+        if at >= 0:
+            found.append(Found(at, at + len(c), at + len(c)))
+        else:
+            c = c.strip()
+            at = text.find(c, pos) if c else -1
+            found.append(Found(at, at + len(c), maxsize) if at >= 0 else Found(-1, -1, maxsize))
+        if at >= 0:
+            pos = at + len(c)
+    return found
+
+
+def clamp_bounds(
+    bounds: list[int], found: Sequence[Found | None], text_len: int, start: int = 0
+) -> None:
+    """``clamp_to_contents`` on precomputed ``content_positions``, from boundary ``start`` on."""
+    for k in range(start, len(bounds)):
+        prev = found[k - 1] if k else None
+        lo = prev.end if prev is not None and prev.at >= 0 else 0
+        cur = found[k] if k < len(found) else None
+        hi = cur.at if cur is not None and cur.at >= 0 else text_len
+        if k:
+            lo = max(lo, bounds[k - 1])
+        bounds[k] = min(max(bounds[k], lo), max(hi, lo))
+
+
+def clamp_to_contents(bounds: list[int], messages: Sequence[Message], text: str) -> None:
     """Keep each boundary between the previous message's content and the next one's.
 
     Where a template renders a message differently depending on what follows, the prefix
     renderings disagree with the full one early and the boundaries collapse; the contents,
     found in order in the full text, bound them (contents the template altered are skipped).
     """
-    pos, found = 0, []
-    for m in messages:
-        c = _content_text(m)
-        at = text.find(c, pos) if c else -1
-        if at < 0 and c.strip():
-            c = c.strip()
-            at = text.find(c, pos)
-        found.append((at, at + len(c)) if at >= 0 and c else None)
-        if at >= 0 and c:
-            pos = at + len(c)
-    for k in range(len(bounds)):
-        lo = found[k - 1][1] if k and found[k - 1] else 0
-        hi = found[k][0] if k < len(messages) and found[k] else len(text)
-        if k:
-            lo = max(lo, bounds[k - 1])
-        bounds[k] = min(max(bounds[k], lo), max(hi, lo))
+    clamp_bounds(bounds, content_positions(messages, text), len(text))
+
+
+def token_spans(starts: Sequence[int], bounds: Sequence[int]) -> list[tuple[int, int]]:
+    """Token span of every message: the tokens whose first character (``starts``, sorted) falls
+    between consecutive character ``bounds``."""
+    at = [bisect_left(starts, b) for b in bounds]
+    return [(at[k], at[k + 1]) for k in range(len(bounds) - 1)]
 
 
 class Renderer:
@@ -137,6 +180,14 @@ class Renderer:
         self._vars = dict(template_vars or {})
         self.sglang_compat = sglang_compat
 
+    @cached_property
+    def incremental_checks(self) -> tuple[bool, frozenset[int]]:
+        """Whether the chat template is local, and the special tokens after which a text can be
+        encoded in two pieces: what ``IncrementalRenderer`` may reuse (computed once)."""
+        from leyline_agent.render_cache import cut_token_ids, is_local
+
+        return is_local(self), cut_token_ids(self.tokenizer)
+
     def _template(self, tools: Sequence[Any] | None) -> jinja2.Template:
         if tools is not None and "tool_use" in self._templates:
             return self._templates["tool_use"]
@@ -153,8 +204,18 @@ class Renderer:
         Raises:
             jinja2.TemplateError: the template rejects the conversation (``raise_exception``).
         """
+        return self._render_normalized(*self._normalized(messages, tools), add_generation_prompt)
+
+    def _normalized(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None
+    ) -> tuple[list[Message], Sequence[Any] | None]:
         if self.sglang_compat:
-            messages, tools = sglang_messages(messages), sglang_tools(tools)
+            return sglang_messages(messages), sglang_tools(tools)
+        return list(messages), tools
+
+    def _render_normalized(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, add_generation_prompt: bool
+    ) -> str:
         return self._template(tools).render(
             messages=list(messages),
             tools=list(tools) if tools is not None else None,
@@ -163,8 +224,12 @@ class Renderer:
             **self._vars,
         )
 
-    def _try_render(self, messages: Sequence[Message], tools: Sequence[Any] | None) -> str | None:
+    def _try_render(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, normalized: bool = False
+    ) -> str | None:
         try:
+            if normalized:
+                return self._render_normalized(messages, tools, False)
             return self.render_text(messages, tools, add_generation_prompt=False)
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError):
             return None  # a prefix the template rejects only loses a boundary
@@ -184,11 +249,36 @@ class Renderer:
             jinja2.TemplateError: the template rejects the full conversation.
         """
         text = self.render_text(messages, tools, add_generation_prompt)
+        bounds = self.raw_bounds(messages, tools, text)
+        clamp_to_contents(bounds, messages, text)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        return Rendered(list(enc.ids), token_spans([s for s, _ in enc.offsets], bounds), text)
+
+    def raw_bounds(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, text: str
+    ) -> list[int]:
+        """Character boundaries of the messages in ``text`` (their rendering), before
+        ``clamp_to_contents``: ``n + 1`` non-decreasing offsets (see module docstring)."""
         n = len(messages)
         bounds = [0] * (n + 1)
+        # NOTE: normalisation is per message, so the normalised prefixes are normalised once.
+        try:
+            norm: list[Message] | None
+            norm, norm_tools = self._normalized(messages, tools)
+        except (TypeError, ValueError, LookupError, AttributeError):
+            norm, norm_tools = None, tools  # render prefix by prefix: some still render
+
+        def render_prefix(k: int, probe: Message | None = None) -> str | None:
+            extra = [probe] if probe is not None else []
+            if norm is None:
+                return self._try_render([*messages[:k], *extra], tools)
+            if extra and self.sglang_compat:
+                extra = sglang_messages(extra)
+            return self._try_render([*norm[:k], *extra], norm_tools, normalized=True)
+
         for k in range(n + 1):
             b = bounds[k - 1] if k else 0
-            prefix = self._try_render(messages[:k], tools)
+            prefix = render_prefix(k)
             if prefix is None:
                 bounds[k] = len(text) if k == n else b
                 continue
@@ -200,16 +290,11 @@ class Renderer:
                 probe = {"role": messages[k].get("role"), "content": _PROBE}
                 if "tool_call_id" in messages[k]:
                     probe["tool_call_id"] = messages[k]["tool_call_id"]
-                probed = self._try_render([*messages[:k], probe], tools)
+                probed = render_prefix(k, probe)
                 if probed is not None:
                     lcp = min(lcp, _common_prefix_len(probed, text))
             bounds[k] = max(b, lcp)
-        _clamp_to_contents(bounds, messages, text)
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
-        starts = [s for s, _ in enc.offsets]
-        at = [bisect_left(starts, b) for b in bounds]
-        spans = [(at[k], at[k + 1]) for k in range(n)]
-        return Rendered(list(enc.ids), spans, text)
+        return bounds
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special-token strings become their ids; no BOS/EOS added)."""

@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from leyline_agent.directive import Directive, Mode, apply_directives
+from leyline_agent.directive import Directive, Mode, sort_and_check
 from leyline_agent.policies.base import (
     Conversation,
     Edit,
@@ -41,6 +41,7 @@ from leyline_agent.policies.base import (
     stronger,
 )
 from leyline_agent.render import Rendered, Renderer, load_renderer
+from leyline_agent.render_cache import IncrementalRenderer
 
 Message = dict[str, Any]
 
@@ -92,17 +93,40 @@ def diff_tokens(old: Sequence[int], new: Sequence[int], mode: Mode = Mode.AMORTI
     return Diff([Directive(start=p, end=len(old), mode=mode)], list(new[p:]), True)
 
 
-def _message_key(message: Mapping[str, Any]) -> Hashable:
-    return json.dumps(message, sort_keys=True, default=str)
+_KEY_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
+
+
+def message_key(message: Mapping[str, Any]) -> Hashable:
+    """What message alignment compares: ``json.dumps(message, sort_keys=True, default=str)``."""
+    return _KEY_ENCODER.encode(message)
+
+
+def _edited(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
+    """``apply_directives(tokens, directives)``, by slices (same checks, same result)."""
+    out: list[int] = []
+    pos = 0
+    for d in sort_and_check(directives, len(tokens)):
+        out += tokens[pos : d.start]
+        out += d.replacement
+        pos = d.end
+    out += tokens[pos:]
+    return out
 
 
 def align_messages(
-    old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]
+    old: Sequence[Mapping[str, Any]],
+    new: Sequence[Mapping[str, Any]],
+    old_keys: Sequence[Hashable] | None = None,
+    new_keys: Sequence[Hashable] | None = None,
 ) -> list[tuple[str, int, int, int, int]]:
     """difflib opcodes between two message lists; messages appended after the last old one get
-    their own trailing ``insert`` (a changed last message is paired with the first new one)."""
+    their own trailing ``insert`` (a changed last message is paired with the first new one).
+    ``old_keys``/``new_keys``: the lists' ``message_key``s where already known."""
     ops = difflib.SequenceMatcher(
-        None, [_message_key(m) for m in old], [_message_key(m) for m in new], autojunk=False
+        None,
+        old_keys if old_keys is not None else [message_key(m) for m in old],
+        new_keys if new_keys is not None else [message_key(m) for m in new],
+        autojunk=False,
     ).get_opcodes()
     if ops and ops[-1][0] == "replace" and ops[-1][2] == len(old):
         tag, i1, i2, j1, j2 = ops.pop()
@@ -130,6 +154,8 @@ def diff_rendered(
     mode_of: Callable[[int, int, int, int], Mode | None] | None = None,
     default_mode: Mode = Mode.AMORTIZE,
     tools_changed: bool = False,
+    old_keys: Sequence[Hashable] | None = None,
+    new_keys: Sequence[Hashable] | None = None,
 ) -> Diff:
     """The minimal directives that turn the old prompt into the new one's prefix, plus the tail.
 
@@ -143,6 +169,7 @@ def diff_rendered(
         default_mode: mode of changes no edit accounts for.
         tools_changed: the tool schemas changed, so unchanged messages may render differently
             (the tools block) without that being a fallback.
+        old_keys, new_keys: the lists' ``message_key``s where already known.
 
     Returns:
         ``Diff`` with ``apply_directives(old_tokens, directives) + tail == new.tokens``.
@@ -165,7 +192,7 @@ def diff_rendered(
         ob, nb = [0] * (len(old_messages) + 1), [0] * (len(new_messages) + 1)
     add(0, ob[0], 0, nb[0], None, True)  # template preamble
     j_app = len(new_messages)
-    for tag, i1, i2, j1, j2 in align_messages(old_messages, new_messages):
+    for tag, i1, i2, j1, j2 in align_messages(old_messages, new_messages, old_keys, new_keys):
         if tag == "insert" and i1 == len(old_messages):
             j_app = j1
             break
@@ -186,7 +213,7 @@ def diff_rendered(
     tail = list(N[r_start + g :])
 
     directives = _directives(old_tokens, N, regions)
-    if apply_directives(old_tokens, directives) + tail != N:  # never expected; stay exact
+    if _edited(old_tokens, directives) + tail != N:  # never expected; stay exact
         d = diff_tokens(old_tokens, N, default_mode)
         return Diff(d.directives, d.tail, True)
     return Diff(directives, tail, fallback)
@@ -213,7 +240,10 @@ def _directives(old: list[int], new: list[int], regions: list[_Region]) -> list[
 def _clean(message: Mapping[str, Any]) -> Message:
     """The message as sent: ``leyline_*`` annotations removed, text-part lists joined into one
     string (so that the server and the wrapper cannot join them differently)."""
-    out = {k: v for k, v in message.items() if not k.startswith("leyline_")}
+    out = dict(message)
+    for key in message:
+        if key.startswith("leyline_"):
+            del out[key]
     content = out.get("content")
     if isinstance(content, list) and all(
         isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text") for p in content
@@ -239,6 +269,7 @@ class TurnPlan:
         base_len: length of the previous prompt the directives apply to.
         turn: index of this turn since the last reset.
         tools: the tool schemas rendered with the messages.
+        keys: ``message_key`` of every message (what the next turn aligns against).
     """
 
     messages: list[Message]
@@ -253,6 +284,7 @@ class TurnPlan:
     base_len: int = 0
     turn: int = 0
     tools: list[Any] | None = None
+    keys: list[Hashable] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def reused(self) -> int:
@@ -267,6 +299,8 @@ class ConversationWrapper:
         renderer: a ``Renderer`` or a model directory; ``None`` = the embedded default model.
         policy: a ``Policy`` or a spec such as ``"stale_tool_outputs:keep_last=2"``.
         default_mode: mode for changes the policy did not make (the agent rewrote a message).
+        incremental: render through an ``IncrementalRenderer`` (same tokens and spans; only new
+            or changed messages are rendered and encoded). False: a full render every time.
 
     Usage::
 
@@ -280,8 +314,11 @@ class ConversationWrapper:
         renderer: Renderer | str | None = None,
         policy: Policy | str | None = "none",
         default_mode: Mode = Mode.AMORTIZE,
+        incremental: bool = True,
     ) -> None:
         self.renderer = renderer if isinstance(renderer, Renderer) else load_renderer(renderer)
+        self.incremental = IncrementalRenderer(self.renderer) if incremental else None
+        self._render = self.incremental.render if self.incremental else self.renderer.render
         self.policy = parse_policy(policy)
         self.default_mode = Mode(default_mode)
         self.tokens: list[int] = []
@@ -296,9 +333,7 @@ class ConversationWrapper:
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
     ) -> Conversation:
         """The policy's view of an incoming message list."""
-        return self._conversation(
-            messages, self.renderer.render([_clean(m) for m in messages], tools)
-        )
+        return self._conversation(messages, self._render([_clean(m) for m in messages], tools))
 
     def _conversation(
         self, messages: Sequence[Mapping[str, Any]], rendered: Rendered
@@ -320,12 +355,13 @@ class ConversationWrapper:
             jinja2.TemplateError: the chat template rejects the edited conversation.
         """
         incoming = [_clean(m) for m in messages]
-        rendered = self.renderer.render(incoming, tools)
+        rendered = self._render(incoming, tools)
         edits = list(self.policy(self._conversation(messages, rendered)))
         edited = apply_edits(messages, edits)
         sent = [_clean(m) for m in edited.messages]
         if sent != incoming:
-            rendered = self.renderer.render(sent, tools)
+            rendered = self._render(sent, tools)
+        keys = [message_key(m) for m in sent]
         last = self._last
         if last is not None and self.tokens[: len(last.tokens)] == last.tokens:
             removed_mode = {
@@ -350,10 +386,12 @@ class ConversationWrapper:
                 mode_of=mode_of,
                 default_mode=self.default_mode,
                 tools_changed=last.tools != (list(tools) if tools else None),
+                old_keys=last.keys or None,
+                new_keys=keys,
             )
         else:
             diff = diff_tokens(self.tokens, rendered.tokens, self.default_mode)
-        exact = apply_directives(self.tokens, diff.directives) + diff.tail == rendered.tokens
+        exact = _edited(self.tokens, diff.directives) + diff.tail == rendered.tokens
         return TurnPlan(
             messages=sent,
             tokens=rendered.tokens,
@@ -367,6 +405,7 @@ class ConversationWrapper:
             base_len=len(self.tokens),
             turn=self._turn,
             tools=list(tools) if tools else None,
+            keys=keys,
         )
 
     def commit(self, plan: TurnPlan) -> None:
