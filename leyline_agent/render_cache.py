@@ -22,7 +22,13 @@ set, none overlaps another (no suffix of one is a prefix or infix of another), a
 pre-tokenizer has no first-piece-only behaviour (``Metaspace`` with ``prepend_scheme: first``);
 checked once per tokenizer, else the whole text is encoded.
 
-Boundaries are clamped to the contents (``clamp_to_contents``) over the whole list each time.
+Boundaries are clamped to the contents as ``clamp_to_contents`` does; contents found wholly
+inside the unchanged text keep their positions and clamped boundaries (``Found.need``).
+
+Messages are compared with ``==`` (values equal in Python but rendered differently, such as ``1``
+and ``1.0``, count as the same); remembered messages are copies, so mutating a message after
+rendering it cannot make a stale render look current. Treat the returned ``Rendered`` as
+read-only: it may be returned again for the same list.
 """
 
 from __future__ import annotations

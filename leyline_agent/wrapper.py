@@ -358,7 +358,10 @@ class ConversationWrapper:
         rendered = self._render(incoming, tools)
         edits = list(self.policy(self._conversation(messages, rendered)))
         edited = apply_edits(messages, edits)
-        sent = [_clean(m) for m in edited.messages]
+        sent = [  # messages no edit touched are the incoming ones, already cleaned
+            _clean(m) if i in edited.modes else incoming[i]
+            for m, i in zip(edited.messages, edited.sources, strict=True)
+        ]
         if sent != incoming:
             rendered = self._render(sent, tools)
         keys = [message_key(m) for m in sent]

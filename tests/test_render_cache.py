@@ -175,3 +175,22 @@ def test_random_edits(renderer: Renderer, base, turns, tools: bool) -> None:
         if msgs:
             check(inc, msgs, t)
     assert json.dumps(msgs)  # plain data throughout
+
+
+def test_mutating_a_rendered_message_is_seen(renderer: Renderer) -> None:
+    inc = IncrementalRenderer(renderer)
+    msgs = conversation(4)
+    check(inc, msgs, TOOLS)
+    msgs[4]["tool_calls"][0]["function"]["arguments"] = '{"changed": true}'  # in place
+    check(inc, msgs, TOOLS)
+
+
+def test_tokenizer_without_safe_cuts_encodes_whole(renderer: Renderer) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(renderer.tokenizer.to_str())
+    tok.add_special_tokens([AddedToken("<|glued|>", rstrip=True, special=True)])
+    assert cut_token_ids(tok) == frozenset()
+    inc = IncrementalRenderer(Renderer(tok, renderer.chat_templates["default"]))
+    for n in range(3, 9):
+        check(inc, conversation(4)[:n], None)
