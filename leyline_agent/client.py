@@ -27,6 +27,32 @@ class SpliceRejected(RuntimeError):
         self.status = status
         self.message = message
 
+    @property
+    def reason(self) -> str:
+        """A short, stable name for metrics: ``not_cached``, ``in_use``, ``pool_full``,
+        ``unsupported``, ``no_plugin``, ``unreachable``, ``unauthorized``, ``bad_request``,
+        ``backend_error``."""
+        return miss_reason(self.status, self.message)
+
+
+def miss_reason(status: int, message: str = "") -> str:
+    """Classify a splice refusal (see :class:`SpliceRejected`)."""
+    if status == 0:
+        return "unreachable"
+    if status == 404:
+        return "no_plugin"
+    if status in (401, 403):
+        return "unauthorized"
+    if status == 409:
+        return "in_use" if "running request" in message else "not_cached"
+    if status == 503:
+        return "pool_full"
+    if status == 501:
+        return "unsupported"
+    if 400 <= status < 500:
+        return "bad_request"
+    return "backend_error"
+
 
 class SpliceResult(NamedTuple):
     new_length: int

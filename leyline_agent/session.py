@@ -45,6 +45,7 @@ class TurnRecord(BaseModel):
     edited: bool = False
     spliced: bool = False
     splice_error: str | None = None
+    splice_miss_reason: str | None = None  # client.miss_reason of splice_error
     splice_ms: float = 0.0
     request_ms: float = 0.0
     ttft_ms: float | None = None
@@ -58,6 +59,7 @@ class Pending:
     splice_error: str | None
     splice_ms: float
     t_start: float
+    splice_miss_reason: str | None = None
 
 
 class SessionCore:
@@ -94,6 +96,7 @@ class SessionCore:
         plan = self.wrapper.plan(messages, tools)
         result: SpliceResult | None = None
         error: str | None = None
+        reason: str | None = None
         splice_ms = 0.0
         if self.splice_enabled and plan.directives and self.wrapper.tokens:
             try:
@@ -102,9 +105,9 @@ class SessionCore:
                 )
                 splice_ms = result.http_ms
             except SpliceRejected as e:
-                error = f"{e.status}: {e.message}"
+                error, reason = f"{e.status}: {e.message}", e.reason
                 splice_ms = (time.perf_counter() - t0) * 1e3
-        return Pending(plan, result, error, splice_ms, t0)
+        return Pending(plan, result, error, splice_ms, t0, reason)
 
     def chat_body(self, pending: Pending, body: Mapping[str, Any]) -> dict[str, Any]:
         """The chat-completions body to send: ``body`` with the planned (edited) messages and
@@ -157,6 +160,7 @@ class SessionCore:
             edited=bool(plan.directives),
             spliced=pending.splice is not None,
             splice_error=pending.splice_error,
+            splice_miss_reason=pending.splice_miss_reason,
             splice_ms=pending.splice_ms,
             request_ms=request_ms,
             ttft_ms=ttft_ms,

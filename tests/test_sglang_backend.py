@@ -4,22 +4,31 @@ dummy weights, bf16 KV, 2 layers). KV rows are read back through the debug inspe
 from __future__ import annotations
 
 import random
-import uuid
-from typing import Any
 
 import httpx
 import pytest
 import torch
+from live import (
+    VOCAB,
+    apply,
+    bf16_ulp,
+    cached_seq,
+    gen,
+    ns,
+    rows,
+    seq,
+    splice,
+    stats,
+    tree_slots,
+)
 
 from leyline_agent.backends.sglang.model import EMBEDDED_CONFIG
-from leyline_agent.directive import Directive, apply_directives
 from leyline_agent.kernels.rope import RopeSpec, rotate
 
 pytestmark = pytest.mark.sglang
 
 LORA = EMBEDDED_CONFIG["kv_lora_rank"]
 ROPE = EMBEDDED_CONFIG["qk_rope_head_dim"]
-VOCAB = 200064
 SPEC = RopeSpec.from_hf_config(EMBEDDED_CONFIG)
 
 
@@ -27,66 +36,6 @@ SPEC = RopeSpec.from_hf_config(EMBEDDED_CONFIG)
 def http(leyline_server: str) -> httpx.Client:
     with httpx.Client(base_url=leyline_server, timeout=300) as c:
         yield c
-
-
-def ns() -> str:
-    return f"test-{uuid.uuid4().hex[:10]}"
-
-
-def seq(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000, 150000) for _ in range(n)]
-
-
-def gen(c: httpx.Client, ids: list[int], key: str) -> dict[str, Any]:
-    r = c.post(
-        "/generate",
-        json={
-            "input_ids": ids,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "extra_key": key,
-        },
-    )
-    r.raise_for_status()
-    return r.json()["meta_info"]
-
-
-def splice(c: httpx.Client, tokens: list[int], ds: list[dict[str, Any]], key: str, **kw: Any):
-    return c.post(
-        "/leyline/splice", json={"tokens": tokens, "directives": ds, "extra_key": key, **kw}
-    )
-
-
-def rows(c: httpx.Client, tokens: list[int], key: str) -> dict[str, Any]:
-    r = c.post("/leyline/debug/inspect", json={"op": "rows", "tokens": tokens, "extra_key": key})
-    r.raise_for_status()
-    return r.json()
-
-
-def stats(c: httpx.Client) -> dict[str, Any]:
-    return c.get("/leyline/stats").json()
-
-
-def tree_slots(c: httpx.Client) -> set[int]:
-    r = c.post("/leyline/debug/inspect", json={"op": "tree_slots"})
-    r.raise_for_status()
-    return set(r.json()["slots"])
-
-
-def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """One bf16 ulp at |x| (8 significant bits)."""
-    e = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
-    return torch.exp2(e - 7)
-
-
-def apply(tokens: list[int], ds: list[dict[str, Any]]) -> list[int]:
-    return apply_directives(tokens, [Directive.model_validate(d) for d in ds])
-
-
-def cached_seq(c: httpx.Client, n: int, seed: int, key: str) -> list[int]:
-    toks = seq(n, seed)
-    gen(c, toks, key)
-    return toks
 
 
 # ---- AMORTIZE --------------------------------------------------------------------------------

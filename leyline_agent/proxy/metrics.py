@@ -68,6 +68,12 @@ def render(registry: SessionRegistry) -> str:
     out += _family(
         "leyline_proxy_directives_total", "counter", "Directives sent, by mode.", _modes(totals)
     )
+    out += _family(
+        "leyline_proxy_splice_misses_by_reason_total",
+        "counter",
+        "Edited turns whose splice could not run, by reason (not_cached, pool_full, ...).",
+        [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(totals.misses_by_reason.items())],
+    )
     for attr, base, help_ in _SUMMARIES:
         name = f"leyline_proxy_{base}"
         count = totals.spliced_turns + totals.splice_misses if attr == "splice_ms" else totals.turns

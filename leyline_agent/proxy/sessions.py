@@ -24,6 +24,7 @@ import re
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -56,6 +57,7 @@ class Counters:
     splice_misses: int = 0
     splice_ms: float = 0.0
     request_ms: float = 0.0
+    misses_by_reason: Counter[str] = field(default_factory=Counter)
 
     def add(self, r: TurnRecord) -> None:
         self.turns += 1
@@ -70,6 +72,8 @@ class Counters:
         self.edited_turns += r.edited
         self.spliced_turns += r.spliced
         self.splice_misses += r.splice_error is not None
+        if r.splice_error is not None:
+            self.misses_by_reason[r.splice_miss_reason or "backend_error"] += 1
         self.splice_ms += r.splice_ms
         self.request_ms += r.request_ms
 
@@ -85,7 +89,9 @@ class Counters:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["misses_by_reason"] = dict(self.misses_by_reason)
+        return out
 
 
 @dataclass

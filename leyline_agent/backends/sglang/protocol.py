@@ -23,12 +23,15 @@ class SpliceRequest(BaseModel):
     cache_salt: SGLang's ``cache_salt`` (also a namespace component).
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     tokens: list[StrictInt] = Field(min_length=1)
     directives: list[Directive] = Field(min_length=1)
     extra_key: str | None = None
     cache_salt: str | None = None
+    # test-only, honoured only with LEYLINE_DEBUG_ENDPOINTS=1 (see backends/sglang/ledger.py)
+    debug_fault: str | None = None
+    debug_fail_after_prefill: bool = False
 
 
 class SpliceResponse(BaseModel):
@@ -42,6 +45,9 @@ class SpliceResponse(BaseModel):
     purged: slots removed from the tree by FORGET.
     in_place: True when the downstream tail was rotated in place (owned by this path alone).
     elapsed_ms: scheduler-side wall time of the whole splice, in milliseconds.
+    cached_before: tokens of ``tokens`` found cached (always all of them on success).
+    timings_ms: the splice broken down, in milliseconds: ``prefill`` (replacement prefills),
+        ``rotate`` (δ-rotation, copies and in place), ``tree`` (detach, purge, insert, frees).
     """
 
     new_length: int
@@ -53,6 +59,7 @@ class SpliceResponse(BaseModel):
     in_place: bool
     elapsed_ms: float
     cached_before: int = 0
+    timings_ms: dict[str, float] = Field(default_factory=dict)
 
 
 class SpliceReqInput(BaseReq, kw_only=True):

@@ -1,0 +1,91 @@
+"""Read-only views of one scheduler's tree and KV pool: ``/leyline/stats`` and the debug rows.
+
+``stats`` is what every integrity test and the fuzz/soak scripts check after each operation. When
+the server is idle (no running or waiting request) it requires:
+
+- ``free + cached == total`` (nothing held by a request row, nothing leaked);
+- no slot owned twice: not by two tree nodes, not by the tree and the free list;
+- ``evictable + protected == cached``, and ``protected == 0`` (no lock left behind);
+- SGLang's own idle check (``scheduler_components/invariant_checker.py``):
+  ``available + evictable + protected == total``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leyline_agent.backends.sglang.radix import LeylineRadixCache
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+
+
+def free_slots(allocator: Any) -> torch.Tensor:
+    """The allocator's free list (``free_pages`` plus ``release_pages``), int64, any order."""
+    parts = [getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None)]
+    parts = [p.to(torch.int64) for p in parts if p is not None and p.numel()]
+    return torch.cat(parts) if parts else torch.empty((0,), dtype=torch.int64)
+
+
+def stats(scheduler: Scheduler) -> dict[str, Any]:
+    """Allocator/tree counters and the integrity verdict ``ok`` (None while requests run)."""
+    tree = scheduler.tree_cache
+    if not isinstance(tree, LeylineRadixCache):
+        return {"error": f"radix cache is {type(tree).__name__}, not leyline"}
+    idle = scheduler.running_batch.is_empty() and len(scheduler.waiting_queue) == 0
+    alloc = tree.token_to_kv_pool_allocator
+    tree_slots = tree.all_slots().cpu()
+    free = free_slots(alloc).cpu()
+    cached, n_free, total = int(tree_slots.numel()), int(free.numel()), int(alloc.size)
+    dup_tree = cached - int(torch.unique(tree_slots).numel()) if cached else 0
+    both = torch.cat([tree_slots, free])
+    dup_free = int(both.numel()) - int(torch.unique(both).numel()) - dup_tree if cached else 0
+    evictable, protected = int(tree.evictable_size_), int(tree.protected_size_)
+    in_use = total - n_free - cached
+    out: dict[str, Any] = {
+        "free": int(alloc.available_size()),
+        "cached": cached,
+        "in_use": in_use,
+        "total": total,
+        "evictable": evictable,
+        "protected": protected,
+        "duplicate_slots": dup_tree,
+        "tree_and_free_list": dup_free,
+        "idle": idle,
+        "sglang_idle_check": int(alloc.available_size()) + evictable + protected == total,
+    }
+    structural = dup_tree == 0 and dup_free == 0 and evictable + protected == cached
+    if idle:
+        out["ok"] = structural and in_use == 0 and protected == 0 and out["sglang_idle_check"]
+    else:
+        out["ok"] = None if structural else False
+    return out
+
+
+def rows(tree: LeylineRadixCache, kv_buffers: list[torch.Tensor], tokens: list[int], extra_key):
+    """Cached length, slots and per-layer KV rows (values as fp32, and raw bit patterns).
+
+    Debug only (``LEYLINE_DEBUG_ENDPOINTS=1``). ``kv_buffers``: per-layer ``[slots, heads, width]``.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key)))
+    n = int(m.device_prefix_len)
+    slots = tree.path_device_indices(m.last_device_node)[:n].to(torch.int64)
+    int_view = {2: torch.int16, 4: torch.int32}
+    values, bits = [], []
+    for buf in kv_buffers:
+        r = buf[slots][:, 0, :]
+        values.append(r.float().tolist())
+        bits.append(r.contiguous().view(int_view[r.element_size()]).tolist())
+    return {
+        "cached": n,
+        "slots": slots.tolist(),
+        "dtype": str(kv_buffers[0].dtype),
+        "values": values,
+        "bits": bits,
+    }

@@ -1,0 +1,89 @@
+"""The replacement prefill: run new tokens through SGLang's own extend path, attending to a staged
+prefix given as slot indices (which need not be a tree path).
+
+A synthetic ``Req`` goes through ``ScheduleBatch.prepare_for_extend`` (allocates the request row
+and the new tokens' slots; may evict unlocked tree nodes) and ``Scheduler.run_batch`` (the forward
+pass writes the new tokens' KV). ``LeylineRadixCache.prefix_device_indices`` hands SGLang the staged
+prefix. On any failure, the request row and the new slots are freed before re-raising.
+"""
+
+from __future__ import annotations
+
+import uuid
+from array import array
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from leyline_agent.backends.sglang.radix import LeylineRadixCache
+
+
+def prefill_tokens(
+    s: Scheduler,
+    tree: LeylineRadixCache,
+    tokens: list[int],
+    prefix: torch.Tensor,
+    extra_key: str | None,
+    cache_salt: str | None,
+    fault: Callable[[str], None],
+) -> torch.Tensor:
+    """Prefill ``tokens[len(prefix):]`` with ``prefix`` (int64 slot ids ``[P]``) as context.
+
+    Returns the new tokens' slots, int64 ``[len(tokens) - P]``; the caller owns them. ``fault`` is
+    called at ``prefill.prepare`` and ``prefill.forward`` (test hook). Raises whatever SGLang
+    raises (e.g. ``RuntimeError`` when the pool is exhausted); nothing is held then.
+    """
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    n_prefix = int(prefix.numel())
+    if len(tokens) <= n_prefix:
+        return prefix.new_empty((0,))
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    params.normalize(None)
+    req = Req(
+        f"leyline-splice-{uuid.uuid4().hex}",
+        "",
+        array("q", tokens),
+        params,
+        extra_key=extra_key,
+        vocab_size=s.model_config.vocab_size,
+    )
+    req.cache_salt = cache_salt
+    req.leyline_prefix = prefix
+    req.refresh_fill_ids()
+    req.prefix_len = n_prefix
+    req.last_node = tree.root_node
+    req.kv.cache_protected_len = n_prefix
+    req.extend_end = len(tokens)
+    batch = ScheduleBatch.init_new(
+        [req],
+        s.req_to_token_pool,
+        s.token_to_kv_pool_allocator,
+        tree,
+        s.model_config,
+        False,
+        s.spec_algorithm,
+    )
+    try:
+        batch.prepare_for_extend()
+        fault("prefill.prepare")
+        fault("prefill.forward")
+        s.run_batch(batch)
+    except BaseException:
+        loc = getattr(batch, "out_cache_loc", None)
+        if loc is not None and loc.numel():
+            s.token_to_kv_pool_allocator.free(loc)
+        if req.kv.holds_kv:
+            s.req_to_token_pool.free(req)
+            req.kv.mark_kv_released()
+        raise
+    row = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    slots = row[n_prefix : len(tokens)].to(torch.int64).clone()
+    s.req_to_token_pool.free(req)
+    req.kv.mark_kv_released()
+    return slots

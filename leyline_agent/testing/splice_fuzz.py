@@ -1,0 +1,268 @@
+"""Seeded random traffic against a real ``leyline serve``, checking integrity after every step.
+
+Used by ``tests/test_splice_integrity.py`` (a short run in CI) and by
+``experiments/backend/fuzz_splice.py`` (10,000 operations). The server should have a small pool
+(1–2k tokens) so that most allocations evict, and ``LEYLINE_DEBUG_ENDPOINTS=1`` (KV rows).
+
+Operations: generate with a reply of random length (the reply stays cached below the prompt, so
+in-place splices take it over), splices with 1–4 AMORTIZE/FORGET directives, flushes, and
+requests in other namespaces. After every step ``/leyline/stats`` must hold the idle invariants
+(see ``backends/sglang/integrity.py``). On a sample of successful splices the KV rows are checked:
+latent (``c_kv``) bit-identical to its source rows, ``k_pe`` within 1 bf16 ulp of the exact
+rotation to its new position.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+
+from leyline_agent.directive import Directive, Mode, apply_directives
+from leyline_agent.kernels.rope import RopeSpec, rotate
+
+
+class InvariantBroken(AssertionError):
+    """An integrity invariant or a KV-row check failed; the message names seed and step."""
+
+
+@dataclass
+class FuzzReport:
+    seed: int
+    steps: int = 0
+    ops: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[str] = field(default_factory=Counter)
+    rows_checked: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "steps": self.steps,
+            "ops": dict(self.ops),
+            "statuses": dict(self.statuses),
+            "rows_checked": self.rows_checked,
+        }
+
+
+def idle_invariants_hold(st: dict[str, Any]) -> bool:
+    return bool(
+        st.get("ok")
+        and st["duplicate_slots"] == 0
+        and st["tree_and_free_list"] == 0
+        and st["free"] + st["cached"] == st["total"]
+        and st["protected"] == 0
+        and st["sglang_idle_check"]
+    )
+
+
+def idle_stats(http: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:
+    """``/leyline/stats`` once the scheduler is idle (a finished request can stay in the running
+    batch for one more scheduler iteration after its answer went out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = http.get("/leyline/stats").json()
+        if st.get("idle") or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+def check_rows(
+    before: dict[str, Any], after: dict[str, Any], ds: list[Directive], lora: int, spec: RopeSpec
+) -> int:
+    """Compare KV rows of the old (``before``) and spliced (``after``) sequence. Returns the
+    number of rows checked. Raises ``AssertionError`` naming the first bad row."""
+    ds = sorted(ds, key=lambda d: d.start)
+    forget_at = min((d.start for d in ds if d.mode is Mode.FORGET), default=None)
+    n_old = before["cached"]
+    checked = 0
+    shift, di = 0, 0
+    old_idx, new_idx, deltas = [], [], []
+    for i in range(n_old):
+        while di < len(ds) and ds[di].end <= i:  # an insertion at i shifts i too
+            shift += ds[di].delta
+            di += 1
+        if forget_at is not None and i >= forget_at:
+            break
+        if any(d.start <= i < d.end for d in ds):
+            continue
+        j = i + shift
+        if j >= after["cached"]:
+            break
+        old_idx.append(i)
+        new_idx.append(j)
+        deltas.append(shift)
+    if not old_idx:
+        return 0
+    oi, ni = torch.tensor(old_idx), torch.tensor(new_idx)
+    dl = torch.tensor(deltas, dtype=torch.int64)
+    for layer in range(len(before["bits"])):
+        ob, nb = torch.tensor(before["bits"][layer])[oi], torch.tensor(after["bits"][layer])[ni]
+        if not torch.equal(ob[:, :lora], nb[:, :lora]):
+            bad = int((ob[:, :lora] != nb[:, :lora]).any(1).nonzero()[0])
+            raise AssertionError(f"layer {layer}: latent of old row {old_idx[bad]} changed")
+        ov = torch.tensor(before["values"][layer], dtype=torch.float64)[oi, lora:]
+        nv = torch.tensor(after["values"][layer], dtype=torch.float64)[ni, lora:]
+        exact = rotate(ov, dl, spec)
+        err = (nv - exact).abs()
+        ok = err <= _bf16_ulp(exact) + 1e-30
+        if not bool(ok.all()):
+            bad = int((~ok).any(1).nonzero()[0])
+            raise AssertionError(
+                f"layer {layer}: k_pe of old row {old_idx[bad]} (shift {deltas[bad]}) is "
+                f"{float(err[bad].max()):.3g} from the exact rotation"
+            )
+        checked += len(old_idx)
+    return checked
+
+
+class SpliceFuzzer:
+    """Seeded random operations against ``base_url``; :meth:`run` raises ``InvariantBroken``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        seed: int,
+        *,
+        config: dict[str, Any],
+        check_rows_every: int = 5,
+        max_reply: int = 24,
+    ):
+        self.max_reply = max_reply
+        self.http = httpx.Client(base_url=base_url, timeout=600)
+        self.rng = random.Random(seed)
+        self.report = FuzzReport(seed=seed)
+        self.lora = int(config["kv_lora_rank"])
+        self.spec = RopeSpec.from_hf_config(config)
+        self.check_rows_every = check_rows_every
+        self.live: dict[str, list[int]] = {}  # namespace -> a prompt cached there
+        self.keys = [f"fuzz-{seed}-{i}" for i in range(3)]
+
+    def close(self) -> None:
+        self.http.close()
+
+    # ---- operations ----
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(1000, 150000) for _ in range(n)]
+
+    def _generate(self, key: str, ids: list[int], reply: int) -> dict[str, Any]:
+        r = self.http.post(
+            "/generate",
+            json={
+                "input_ids": ids,
+                "sampling_params": {
+                    "max_new_tokens": reply,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                "extra_key": key,
+            },
+        )
+        self.report.statuses[f"generate {r.status_code}"] += 1
+        if r.status_code != 200:
+            raise InvariantBroken(f"generate answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def op_generate(self) -> None:
+        key = self.rng.choice(self.keys)
+        base = self.live.get(key)
+        if base and self.rng.random() < 0.6:
+            ids = base + self._ids(self.rng.randrange(1, 40))  # the next turn
+        else:
+            ids = self._ids(self.rng.randrange(20, 400))
+        out = self._generate(key, ids, self.rng.randrange(1, self.max_reply + 1))
+        self.live[key] = ids if self.rng.random() < 0.5 else ids + list(out["output_ids"])[:-1]
+
+    def op_other_namespace(self) -> None:
+        self._generate(
+            f"other-{self.rng.randrange(1000)}", self._ids(self.rng.randrange(50, 500)), 4
+        )
+
+    def op_flush(self) -> None:
+        r = self.http.post("/flush_cache")
+        self.report.statuses[f"flush {r.status_code}"] += 1
+        self.live.clear()
+
+    def op_splice(self, step: int) -> None:
+        key = self.rng.choice(self.keys)
+        toks = self.live.get(key)
+        if not toks or len(toks) < 8:
+            return self.op_generate()
+        n = len(toks)
+        k = self.rng.randrange(1, 5)
+        cuts = sorted(self.rng.sample(range(n + 1), min(2 * k, n + 1)))
+        ds = []
+        for a, b in zip(cuts[::2], cuts[1::2], strict=False):
+            repl = self._ids(self.rng.choice([0, 1, 3, 8, 20]))
+            if a == b and not repl:
+                continue
+            mode = Mode.FORGET if self.rng.random() < 0.15 else Mode.AMORTIZE
+            ds.append(Directive(start=a, end=b, replacement=repl, mode=mode))
+        if not ds:
+            return
+        check = step % self.check_rows_every == 0
+        before = self._rows(toks, key) if check else None
+        body = {
+            "tokens": toks,
+            "directives": [d.model_dump(mode="json") for d in ds],
+            "extra_key": key,
+        }
+        r = self.http.post("/leyline/splice", json=body)
+        self.report.statuses[f"splice {r.status_code}"] += 1
+        if r.status_code == 200:
+            new = apply_directives(toks, ds)
+            self.live[key] = new
+            if check and before is not None and before["cached"] == n:
+                after = self._rows(new, key)
+                if after["cached"] != len(new):
+                    raise InvariantBroken(
+                        f"spliced sequence: {after['cached']} of {len(new)} cached"
+                    )
+                self.report.rows_checked += check_rows(before, after, ds, self.lora, self.spec)
+        elif r.status_code in (409, 503):
+            self.live.pop(key, None)  # evicted or no room: the client would send it in full
+        else:
+            raise InvariantBroken(f"splice answered {r.status_code}: {r.text[:300]}")
+
+    def _rows(self, toks: list[int], key: str) -> dict[str, Any]:
+        r = self.http.post(
+            "/leyline/debug/inspect", json={"op": "rows", "tokens": toks, "extra_key": key}
+        )
+        r.raise_for_status()
+        return r.json()
+
+    # ---- the loop ----
+    def step(self, i: int) -> None:
+        x = self.rng.random()
+        if x < 0.35:
+            op, fn = "generate", self.op_generate
+        elif x < 0.80:
+            op, fn = "splice", lambda: self.op_splice(i)
+        elif x < 0.97:
+            op, fn = "other_namespace", self.op_other_namespace
+        else:
+            op, fn = "flush", self.op_flush
+        self.report.ops[op] += 1
+        try:
+            fn()
+            st = idle_stats(self.http)
+            if not idle_invariants_hold(st):
+                raise InvariantBroken(f"invariants broken: {st}")
+        except AssertionError as e:
+            raise InvariantBroken(f"seed {self.report.seed}, step {i} ({op}): {e}") from e
+        self.report.steps = i + 1
+
+    def run(self, steps: int, progress: Any = None) -> FuzzReport:
+        for i in range(steps):
+            self.step(i)
+            if progress is not None:
+                progress(i + 1)
+        return self.report
