@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from leyline_agent.bench.splice import SpliceBenchSpec, Trial, process_memory, summarize
+from leyline_agent.bench.splice import (
+    ProcMemory,
+    SpliceBenchSpec,
+    Trial,
+    process_memory,
+    summarize,
+)
 from leyline_agent.commands.bench import _lengths
 
 
@@ -33,16 +39,20 @@ def _trial(length: int, rep: int, splice_ms: float, reprefill_ms: float) -> Tria
         timings_ms={"prefill": 1.0, "rotate": 2.0 * rep, "tree": 0.5}, next_ms=10.0,
         next_prompt=length - 20, next_cached=length - 24, reprefill_ms=reprefill_ms,
         reprefill_cached=0,
+        memory={
+            "splice": {"scheduler_hwm_kib": 100 + rep}, "reprefill": {"scheduler_hwm_kib": 900}
+        },
     )  # fmt: skip
 
 
 def test_summary_takes_medians() -> None:
     trials = [_trial(1024, r, ms, 300.0 + r) for r, ms in enumerate((30.0, 10.0, 20.0))]
-    s = summarize(trials, {1024: {"source": "test"}})["1024"]
+    s = summarize(trials)["1024"]
     assert s["splice_ms"] == 20.0 and s["splice_total_ms"] == 30.0
     assert s["reprefill_ms"] == 301.0 and s["speedup"] == pytest.approx(301.0 / 30.0)
     assert s["splice_timings_ms"] == {"prefill": 1.0, "rotate": 2.0, "tree": 0.5}
-    assert s["splice_hit"] and s["memory"] == {"source": "test"}
+    assert s["splice_hit"]
+    assert (s["memory"]["splice_peak_kib"], s["memory"]["reprefill_peak_kib"]) == (102, 900)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux /proc")
@@ -50,6 +60,9 @@ def test_process_memory_reads_proc() -> None:
     m = process_memory(os.getpid())
     assert m["source"] == "/proc" and m["processes"] >= 1 and m["total_rss_kib"] > 0
     assert m["scheduler_hwm_kib"] is None  # no sglang scheduler below the test process
+    probe = ProcMemory(os.getpid())
+    probe.reset()
+    assert probe.read()["hwm_reset"] is True and probe.read()["total_rss_kib"] > 0
 
 
 @pytest.mark.sglang
@@ -76,7 +89,9 @@ def test_bench_splice_cli(leyline_server: str, tmp_path: Path) -> None:
         for key in ("splice_ms", "splice_server_ms", "next_ms", "splice_total_ms", "reprefill_ms"):
             assert s[key] > 0, (length, key)
         assert s["speedup"] > 0
-        assert s["memory"]["source"] == "/leyline/stats" and s["memory"]["ok"], length
+        for phase in ("splice", "reprefill"):  # --backend: the pool counters, no process memory
+            stats = s["memory"]["last"][phase]
+            assert stats["source"] == "/leyline/stats" and stats["ok"], (length, phase)
     results = json.loads((out / "results.json").read_text())
     assert len(results["trials"]) == 2 and results["environment"]["versions"]["sglang"]
     assert (out / "splice.png").read_bytes()[:4] == b"\x89PNG"

@@ -200,9 +200,10 @@ def test_a_refused_turn_is_skipped_and_counted() -> None:
 
 def test_a_backend_failure_still_ends_the_run() -> None:
     trace = load(examples_dir())[0]
+    client = _mock_client(0, status=500)
     with pytest.raises(httpx.HTTPStatusError):
         replay_session(
-            _mock_client(0, status=500), None, parse_policy("none"), "none", trace,  # type: ignore[arg-type]
+            client, None, parse_policy("none"), "none", trace,  # type: ignore[arg-type]
             level=1, session_id="down", agreement=False,
         )  # fmt: skip
 

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -39,9 +39,10 @@ from leyline_agent.directive import Directive, Mode
 DEFAULT_LENGTHS = (1024, 4096, 16384, 32768)
 TOKEN_RANGE = (1000, 30000)  # ids every common vocabulary has, none of them special
 MEMORY_NOTE = (
-    "rss: resident set of the server's processes from /proc (VmRSS now, VmHWM = peak since the "
-    "process started), model weights, runtime and the touched part of the preallocated KV pool "
-    "included; not a per-request figure"
+    "peak RSS: VmHWM of the server's sglang::scheduler process (model, KV pool, request table and "
+    "activations live there), reset (/proc/<pid>/clear_refs) before each phase and read after it, "
+    "so it is the process's whole resident set at its highest during the phase (weights and "
+    "runtime included), not the phase's own allocation; maximum over the repeats"
 )
 
 
@@ -91,6 +92,7 @@ class Trial(BaseModel):
     timings_ms: the server's breakdown (empty when it reports none).
     next_ms: the request after the splice; next_cached: its cached tokens (== spliced_length on a
     hit). reprefill_ms / reprefill_cached: the same request in a cold namespace.
+    memory: the probe's reading after each phase, ``{"splice": {...}, "reprefill": {...}}``.
     """
 
     length: int
@@ -106,6 +108,7 @@ class Trial(BaseModel):
     next_cached: int
     reprefill_ms: float
     reprefill_cached: int
+    memory: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @property
     def splice_total_ms(self) -> float:
@@ -139,9 +142,16 @@ def splice_raw(
 
 
 def run_trial(
-    client: LeylineClient, spec: SpliceBenchSpec, length: int, repeat: int, run_id: str
+    client: LeylineClient,
+    spec: SpliceBenchSpec,
+    length: int,
+    repeat: int,
+    run_id: str,
+    probe: MemoryProbe | None = None,
 ) -> Trial:
-    """Setup, (a) splice + next request, (b) cold re-prefill; see the module docstring."""
+    """Setup, (a) splice + next request, (b) cold re-prefill; see the module docstring. The probe
+    is reset before and read after each of (a) and (b)."""
+    probe = probe or NoMemory()
     rng = random.Random(f"{spec.seed}:{length}:{repeat}")
     tokens = _ids(rng, length)
     repl = _ids(rng, spec.replacement)
@@ -151,9 +161,13 @@ def run_trial(
 
     d = Directive(start=spec.edit_start, end=spec.edit_end, replacement=repl, mode=Mode.AMORTIZE)
     edited = tokens[: spec.edit_start] + repl + tokens[spec.edit_end :]
+    probe.reset()
     res, splice_ms = splice_raw(client, tokens, d, ns)
     nxt = client.generate(edited + tail, extra_key=ns, max_new_tokens=1)
+    mem_splice = probe.read()
+    probe.reset()
     cold = client.generate(edited + tail, extra_key=f"{ns}:cold", max_new_tokens=1)
+    mem_cold = probe.read()
     return Trial(
         length=length,
         repeat=repeat,
@@ -168,6 +182,7 @@ def run_trial(
         next_cached=nxt.cached_tokens,
         reprefill_ms=cold.e2e_ms,
         reprefill_cached=cold.cached_tokens,
+        memory={"splice": mem_splice, "reprefill": mem_cold},
     )
 
 
@@ -175,12 +190,12 @@ def run(
     spec: SpliceBenchSpec,
     client: LeylineClient,
     *,
-    memory: Callable[[], dict[str, Any]],
+    probe: MemoryProbe | None = None,
     log: Callable[[str], None] = lambda _line: None,
     warmup: bool = True,
-) -> tuple[list[Trial], dict[int, dict[str, Any]]]:
-    """Every (length, repeat) trial, lengths in increasing order; ``memory()`` is read after each
-    length. A warmup trial at the shortest length runs first and is not recorded.
+) -> list[Trial]:
+    """Every (length, repeat) trial, lengths in increasing order. A warmup trial at the shortest
+    length runs first and is not recorded.
 
     Raises:
         ValueError: the edit does not fit (``spec.check``).
@@ -191,26 +206,30 @@ def run(
     if warmup:
         run_trial(client, spec, spec.lengths[0], -1, run_id)
     trials: list[Trial] = []
-    mem: dict[int, dict[str, Any]] = {}
     for length in spec.lengths:
         for rep in range(spec.repeats):
-            t = run_trial(client, spec, length, rep, run_id)
+            t = run_trial(client, spec, length, rep, run_id, probe)
             trials.append(t)
             log(
                 f"L={length} repeat {rep + 1}/{spec.repeats}: splice+next "
                 f"{t.splice_total_ms:.0f} ms, re-prefill {t.reprefill_ms:.0f} ms, "
                 f"cached {t.next_cached}/{t.next_prompt}"
             )
-        mem[length] = memory()
-    return trials, mem
+    return trials
 
 
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
-def summarize(trials: Sequence[Trial], mem: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{str(L): medians}``; ``speedup = reprefill_ms / (splice_ms + next_ms)``."""
+def _peak(ts: Sequence[Trial], phase: str) -> int | None:
+    vals = [t.memory.get(phase, {}).get("scheduler_hwm_kib") for t in ts]
+    return max((v for v in vals if v), default=None)
+
+
+def summarize(trials: Sequence[Trial]) -> dict[str, dict[str, Any]]:
+    """``{str(L): medians}``; ``speedup = reprefill_ms / (splice_ms + next_ms)``; ``memory``:
+    peak scheduler RSS per phase (max over repeats) and the last reading of each phase."""
     out: dict[str, dict[str, Any]] = {}
     for length in sorted({t.length for t in trials}):
         ts = [t for t in trials if t.length == length]
@@ -233,7 +252,11 @@ def summarize(trials: Sequence[Trial], mem: dict[int, dict[str, Any]]) -> dict[s
             "next_cached": min(t.next_cached for t in ts),
             "splice_hit": all(t.next_cached == t.spliced_length for t in ts),
             "reprefill_cached": max(t.reprefill_cached for t in ts),
-            "memory": mem.get(length, {}),
+            "memory": {
+                "splice_peak_kib": _peak(ts, "splice"),
+                "reprefill_peak_kib": _peak(ts, "reprefill"),
+                "last": ts[-1].memory,
+            },
         }
     return out
 
@@ -251,7 +274,7 @@ def table(summary: dict[str, dict[str, Any]], spec: SpliceBenchSpec) -> Table:
     )
     for col in ("L", "splice ms", "prefill/rotate/tree", "next ms", "splice+next"):
         t.add_column(col, justify="right", no_wrap=True)
-    for col in ("re-prefill ms", "speedup", "cached", "peak RSS MiB"):
+    for col in ("re-prefill ms", "speedup", "cached", "peak RSS MiB splice/re-prefill"):
         t.add_column(col, justify="right", no_wrap=True)
     for length, s in summary.items():
         tm = s["splice_timings_ms"]
@@ -265,7 +288,7 @@ def table(summary: dict[str, dict[str, Any]], spec: SpliceBenchSpec) -> Table:
             f"{s['reprefill_ms']:.1f}",
             f"{s['speedup']:.1f}x" if s["speedup"] else "-",
             f"{s['next_cached']:,}/{s['next_prompt']:,}",
-            _mib(s["memory"].get("scheduler_hwm_kib")),
+            f"{_mib(s['memory']['splice_peak_kib'])}/{_mib(s['memory']['reprefill_peak_kib'])}",
         )
     return t
 
@@ -369,11 +392,7 @@ def _status_kib(pid: int) -> dict[str, int | str]:
 def process_memory(pid: int) -> dict[str, Any]:
     """RSS of ``pid`` and its descendants (``/proc/<pid>/status``, KiB). ``scheduler_*``: the
     process whose name starts with ``sglang::schedul`` (where the model and KV pool live)."""
-    todo, procs = [pid], {}
-    while todo:
-        p = todo.pop()
-        procs[p] = _status_kib(p)
-        todo += _children(p)
+    procs = {p: _status_kib(p) for p in _tree(pid)}
     sched = next(
         (s for s in procs.values() if str(s.get("name", "")).startswith("sglang::schedul")), {}
     )
@@ -386,9 +405,64 @@ def process_memory(pid: int) -> dict[str, Any]:
     }
 
 
-def stats_memory(client: LeylineClient) -> dict[str, Any]:
-    """What ``/leyline/stats`` says (pool counters, tokens); no process memory."""
-    try:
-        return {"source": "/leyline/stats", **client.stats()}
-    except httpx.HTTPError as e:  # a stats failure must not lose the timings
-        return {"source": "/leyline/stats", "error": f"{type(e).__name__}: {e}"}
+def _tree(pid: int) -> list[int]:
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += _children(p)
+    return seen
+
+
+class MemoryProbe(Protocol):
+    """Reset before a phase, read after it."""
+
+    def reset(self) -> None: ...
+
+    def read(self) -> dict[str, Any]: ...
+
+
+class NoMemory:
+    def reset(self) -> None:
+        pass
+
+    def read(self) -> dict[str, Any]:
+        return {}
+
+
+class ProcMemory:
+    """The server's processes (this process started them): ``reset`` writes 5 to
+    ``/proc/<pid>/clear_refs`` of each (Linux: VmHWM := VmRSS), ``read`` is
+    :func:`process_memory`. A refused reset is recorded as ``hwm_reset: False`` (VmHWM is then the
+    peak since the process started)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.reset_ok = True
+
+    def reset(self) -> None:
+        for p in _tree(self.pid):
+            try:
+                Path(f"/proc/{p}/clear_refs").write_text("5")
+            except OSError:
+                self.reset_ok = False
+
+    def read(self) -> dict[str, Any]:
+        return {**process_memory(self.pid), "hwm_reset": self.reset_ok}
+
+
+class StatsMemory:
+    """A server started elsewhere: the KV-pool counters of ``/leyline/stats`` (tokens), no
+    process memory."""
+
+    def __init__(self, client: LeylineClient):
+        self.client = client
+
+    def reset(self) -> None:
+        pass
+
+    def read(self) -> dict[str, Any]:
+        try:
+            return {"source": "/leyline/stats", **self.client.stats()}
+        except httpx.HTTPError as e:  # a stats failure must not lose the timings
+            return {"source": "/leyline/stats", "error": f"{type(e).__name__}: {e}"}

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -196,13 +194,13 @@ def splice(
             raise typer.Exit(1) from e
         backend = server.url
     client = LeylineClient(backend)
-    memory: Callable[[], dict[str, Any]] = (
-        partial(sb.process_memory, server.proc.pid)
+    probe: sb.MemoryProbe = (
+        sb.ProcMemory(server.proc.pid)
         if server is not None and server.proc is not None
-        else partial(sb.stats_memory, client)
+        else sb.StatsMemory(client)
     )
     try:
-        trials, mem = sb.run(spec, client, memory=memory, log=_err)
+        trials = sb.run(spec, client, probe=probe, log=_err)
         backend_info = {"url": backend, "started_here": server is not None}
     except (SpliceRejected, httpx.HTTPError) as e:
         _err(f"backend {backend} failed: {type(e).__name__}: {e}")
@@ -212,7 +210,7 @@ def splice(
         if server is not None:
             server.stop()
 
-    summary = sb.summarize(trials, mem)
+    summary = sb.summarize(trials)
     path = sb.write_results(out, spec, summary, trials, environment(backend_info))
     png = sb.plot(out, summary, spec)
     console = Console()

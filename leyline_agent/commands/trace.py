@@ -34,10 +34,10 @@ def check(
     rendered prompt. Use a policy that edits (e.g. stale_tool_outputs:keep_last=2): with the
     default `none` the history only grows and nothing is spliced.
 
-    Table, per trace: turns; exact (turns whose directives + tail reproduce the prompt token for
-    token); edited (turns with at least one directive); directives; fallback (turns where tokens differed
-    although the messages did not, template instability or changed tools, or where one covering
-    directive replaced the rest); errors (turns the template or the policy
+    Table, per trace: turns; exact (turns whose directives + tail reproduce the prompt token
+    for token); edited (turns with at least one directive); directives; fallback (turns where
+    tokens differed although the messages did not, template instability or changed tools, or
+    where one covering directive replaced the rest); errors (turns the template or the policy
     rejected, reported on stderr, counted as not exact); prompt (tokens of the last prompt);
     prefill (tokens a splicing engine prefills over the whole trace: new tails plus
     replacements). The last stdout line is {"traces", "turns", "exact", "edited_turns",

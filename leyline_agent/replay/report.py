@@ -34,8 +34,8 @@ from leyline_agent.replay import Arm
 from leyline_agent.replay.runner import LevelResult, ReplaySpec, TurnRow
 
 HIT_RATE_NOTE = (
-    "read prefilled tokens first: hit rate is cached / prompt, and an edited (shorter) prompt has a "
-    "smaller denominator, so an arm that edits can show a lower hit rate than `none` while "
+    "read prefilled tokens first: hit rate is cached / prompt, and an edited (shorter) prompt has "
+    "a smaller denominator, so an arm that edits can show a lower hit rate than `none` while "
     "prefilling the same number of tokens"
 )
 AGREEMENT_NOTE = (
