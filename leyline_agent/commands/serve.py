@@ -48,6 +48,24 @@ def serve(
         int | None,
         typer.Option(help=f"Requests in flight (default {CPU_MAX_RUNNING_REQUESTS} on CPU)."),
     ] = None,
+    dummy: Annotated[
+        bool | None,
+        typer.Option(
+            "--dummy/--no-dummy",
+            help="Random weights (SGLang --load-format dummy): mechanics, not quality. "
+            "Default: on for the embedded model, off with --model-path.",
+            metavar="",
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="LEYLINE_SERVE_API_KEY",
+            show_envvar=True,
+            help="Require 'Authorization: Bearer KEY' on every route (SGLang's --api-key; "
+            "/leyline/splice and /leyline/stats included; /health and /metrics stay open).",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the SGLang command and exit.", metavar="")
     ] = False,
@@ -64,7 +82,8 @@ def serve(
     except ImportError as e:  # pragma: no cover - depends on the install
         raise typer.BadParameter(f"leyline serve needs the sglang extra: {e}") from e
     cpu = not cuda_available()
-    dummy = model_path is None
+    if dummy is None:
+        dummy = model_path is None
     if model_path is None:
         from leyline_agent.backends.sglang.model import write_embedded_model
 
@@ -81,9 +100,9 @@ def serve(
         extra = ["--max-running-requests", str(max_running_requests), *extra]
     argv, env = server_command(
         model_path, port=port, host=host, dummy=dummy, dtype=dtype,
-        max_total_tokens=max_total_tokens, extra=extra, cpu=cpu,
+        max_total_tokens=max_total_tokens, extra=extra, cpu=cpu, api_key=api_key or None,
     )  # fmt: skip
     if dry_run:
-        typer.echo(" ".join(argv))
+        typer.echo(" ".join("***" if api_key and a == api_key else a for a in argv))
         return
     os.execvpe(argv[0], argv, env)

@@ -16,6 +16,7 @@ _EXPORTS = {
     "mscale": "rope",
     "rope_band": "rope",
     "rotate": "rope",
+    "check_uniform_rope": "rope",
     "delta_rotate": "delta_rotation",
     "delta_rotate_torch": "delta_rotation",
     "delta_rotate_triton": "delta_rotation",

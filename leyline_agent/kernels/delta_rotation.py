@@ -11,6 +11,8 @@ Buffers (one per layer, same shape/dtype/device, contiguous), SGLang layout::
              band = RopeBand(kv_lora_rank, qk_rope_head_dim)
     MHA/GQA  MHATokenToKVPool.k_buffer[layer]   [num_slots, heads, head_dim]
              band = RopeBand(0, rotary_dim) (rotary first) or RopeBand(head_dim - d, d)
+             MHATokenToKVPool.v_buffer[layer]   [num_slots, heads, v_head_dim]
+             copy_buffers: rows copied bit for bit with their K rows, never rotated
 
 Angles. Three ways to form the angle of pair ``p`` were measured against the fp64 oracle
 (`rope.rotate` of the original key straight to the new position), fp32 storage so that storage
@@ -54,6 +56,7 @@ def delta_rotate(
     spec: RopeSpec,
     band: RopeBand,
     impl: Impl = "auto",
+    copy_buffers: Sequence[torch.Tensor] = (),
 ) -> None:
     """Rotate the rope band of rows ``src`` from ``old_pos`` to ``new_pos`` into rows ``dst``.
 
@@ -67,10 +70,14 @@ def delta_rotate(
         spec, band: the model's rotation and where its band sits in a row (``band.dim ==
             spec.rotary_dim``).
         impl: "auto" (Triton on CUDA, torch otherwise), "torch" or "triton".
+        copy_buffers: per-layer caches whose rows travel with the rotated rows but are never
+            rotated (an MHA pool's ``v_buffer``): row ``src[i]`` is copied to ``dst[i]`` bit for
+            bit where they differ. Any shape ``[num_slots, ...]`` and dtype, on the same device.
 
     Only the band of ``dst`` rows is rewritten. Raises ``ValueError`` (``TypeError`` for
     non-tensors) with what to fix; nothing is written then.
     """
+    check_copy_buffers(copy_buffers, buffers)
     if impl == "auto":
         first = buffers[0] if isinstance(buffers, Sequence) and len(buffers) else None
         impl = "triton" if getattr(first, "is_cuda", False) else "torch"
@@ -82,6 +89,34 @@ def delta_rotate(
         delta_rotate_triton(buffers, src, dst, old_pos, new_pos, spec, band)
     else:
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if copy_buffers and src.numel():
+        moved = src != dst
+        s, d = src[moved], dst[moved]
+        for buf in copy_buffers:
+            buf.index_copy_(0, d, buf.index_select(0, s))
+
+
+def check_copy_buffers(
+    copy_buffers: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
+) -> None:
+    """Validate `delta_rotate`'s ``copy_buffers`` against the rotated ``buffers``."""
+    import torch
+
+    if isinstance(copy_buffers, torch.Tensor) or not isinstance(copy_buffers, Sequence):
+        raise TypeError("copy_buffers must be a sequence of per-layer tensors")
+    if not copy_buffers:
+        return
+    first = buffers[0] if isinstance(buffers, Sequence) and len(buffers) else None
+    if not isinstance(first, torch.Tensor):
+        raise TypeError("buffers must be a non-empty sequence of per-layer tensors")
+    for i, buf in enumerate(copy_buffers):
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"copy_buffers[{i}] is {type(buf).__name__}, not a tensor")
+        if buf.dim() < 1 or buf.shape[0] != first.shape[0] or buf.device != first.device:
+            raise ValueError(
+                f"copy_buffers[{i}] is {tuple(buf.shape)} on {buf.device}: it needs the "
+                f"{first.shape[0]} slots of buffers[0] on {first.device}"
+            )
 
 
 def __getattr__(name: str) -> Any:

@@ -196,6 +196,13 @@ class RopeSpec:
         )
 
 
+def check_uniform_rope(config: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for configs whose keys cannot be re-rotated with one spec: no RoPE
+    (absolute positions, ALiBi), NoPE layers, per-layer-type rope parameters, mrope."""
+    _refuse_no_rope(config)
+    _rope_params(config)
+
+
 def _require(params: dict[str, Any], key: str, rope_type: str) -> float:
     if params.get(key) is None:
         raise ValueError(f"rope_type {rope_type!r} needs {key!r} in rope_scaling/rope_parameters")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from leyline_agent.backends.sglang.kv_layout import KVLayout
 from leyline_agent.backends.sglang.radix import LeylineRadixCache
 
 if TYPE_CHECKING:
@@ -65,10 +66,19 @@ def stats(scheduler: Scheduler) -> dict[str, Any]:
     return out
 
 
-def rows(tree: LeylineRadixCache, kv_buffers: list[torch.Tensor], tokens: list[int], extra_key):
+def rows(
+    tree: LeylineRadixCache,
+    layout: KVLayout,
+    tokens: list[int],
+    extra_key: str | None,
+    rope: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Cached length, slots and per-layer KV rows (values as fp32, and raw bit patterns).
 
-    Debug only (``LEYLINE_DEBUG_ENDPOINTS=1``). ``kv_buffers``: per-layer ``[slots, heads, width]``.
+    Debug only (``LEYLINE_DEBUG_ENDPOINTS=1``). MLA: ``values``/``bits`` per layer ``[n, width]``
+    (the row ``[c_kv | k_pe]``). MHA/GQA: ``values``/``bits`` are K per layer
+    ``[n, kv_heads, head_dim]`` and ``v_values``/``v_bits`` are V. ``rope``: the spec, band and
+    source the server rotates with (the oracle a test must use), passed through as given.
     """
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -76,16 +86,27 @@ def rows(tree: LeylineRadixCache, kv_buffers: list[torch.Tensor], tokens: list[i
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key)))
     n = int(m.device_prefix_len)
     slots = tree.path_device_indices(m.last_device_node)[:n].to(torch.int64)
-    int_view = {2: torch.int16, 4: torch.int32}
-    values, bits = [], []
-    for buf in kv_buffers:
-        r = buf[slots][:, 0, :]
-        values.append(r.float().tolist())
-        bits.append(r.contiguous().view(int_view[r.element_size()]).tolist())
-    return {
+    out: dict[str, Any] = {
         "cached": n,
         "slots": slots.tolist(),
-        "dtype": str(kv_buffers[0].dtype),
-        "values": values,
-        "bits": bits,
+        "dtype": str(layout.rotated[0].dtype),
+        "kind": layout.kind,
     }
+    out["values"], out["bits"] = _dump(layout.rotated, slots, squeeze=layout.kind == "mla")
+    if layout.copied:
+        out["v_values"], out["v_bits"] = _dump(layout.copied, slots, squeeze=False)
+    if rope is not None:
+        out["rope"] = rope
+    return out
+
+
+def _dump(bufs: list[torch.Tensor], slots: torch.Tensor, squeeze: bool) -> tuple[list, list]:
+    int_view = {2: torch.int16, 4: torch.int32}
+    values, bits = [], []
+    for buf in bufs:
+        r = buf[slots]
+        if squeeze:
+            r = r[:, 0, :]
+        values.append(r.float().tolist())
+        bits.append(r.contiguous().view(int_view[r.element_size()]).tolist())
+    return values, bits

@@ -7,7 +7,7 @@ length ``L`` (old coordinates on the left, what the new sequence gets on the rig
     [d_i.start, d_i.end)       removed     -> dropped (freed when the tail is owned in place)
     replacement_i              new         -> prefilled through SGLang's extend path, attending
                                               to the new sequence before it
-    [d_i.end, d_{i+1}.start)   middle      -> copied to fresh slots, k_pe δ-rotated by the
+    [d_i.end, d_{i+1}.start)   middle      -> copied to fresh slots, RoPE band δ-rotated by the
                                               cumulative delta (a later replacement attends to it)
     [d_last.end, L)            tail        -> δ-rotated in place when this path alone owns it,
                                               else copied first (copy-on-write)
@@ -40,22 +40,31 @@ before; a failure inside phase 2 after the detach drops the edited sequence from
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import ValidationError
 
 from leyline_agent.backends.sglang import integrity
+from leyline_agent.backends.sglang.kv_layout import (
+    KVLayout,
+    UnsupportedKV,
+    check_full_attention,
+    kv_layout,
+)
 from leyline_agent.backends.sglang.ledger import FaultInjector, InjectedFault, Ledger, Timer
 from leyline_agent.backends.sglang.prefill import prefill_tokens
 from leyline_agent.backends.sglang.protocol import SpliceRequest, SpliceResponse
 from leyline_agent.backends.sglang.radix import LeylineRadixCache
+from leyline_agent.backends.sglang.served_rope import served_model, served_rope
 from leyline_agent.directive import DirectiveError, Mode, plan_edit, sort_and_check
+from leyline_agent.kernels.rope import RopeBand, RopeSpec
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
@@ -80,7 +89,8 @@ class SpliceExecutor:
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
-        self._rope: tuple[Any, Any] | None = None
+        self._layout: KVLayout | None = None
+        self._rope: tuple[RopeSpec, RopeBand, str] | None = None
 
     # ---- entry points ------------------------------------------------------------------------
     def handle(self, payload: str) -> tuple[int, str]:
@@ -111,8 +121,13 @@ class SpliceExecutor:
             if not _debug():
                 return 403, json.dumps({"error": "debug endpoints are disabled"})
             if op == "rows":
+                try:
+                    spec, band, source = self._rope_spec()
+                    rope = {"spec": dataclasses.asdict(spec), "band": band, "source": source}
+                except SpliceError as e:
+                    rope = {"error": str(e)}
                 body = integrity.rows(
-                    self.tree, self._kv_buffers(), req["tokens"], req.get("extra_key")
+                    self.tree, self._kv_buffers(), req["tokens"], req.get("extra_key"), rope
                 )
                 return 200, json.dumps(body)
             if op == "tree_slots":
@@ -136,26 +151,30 @@ class SpliceExecutor:
             raise SpliceError(501, f"splices need --page-size 1 (server has {tree.page_size})")
         return tree
 
-    def _kv_buffers(self) -> list[torch.Tensor]:
-        pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
-        bufs = getattr(pool, "kv_buffer", None)
-        if bufs is None:
-            raise SpliceError(
-                501,
-                f"splices are not supported on this model's KV pool ({type(pool).__name__}): "
-                "only MLA pools (MLATokenToKVPool, DeepSeek-V2-style models) are wired in",
-            )
-        return list(bufs)
+    def _kv_buffers(self) -> KVLayout:
+        """The pool's per-layer buffers by kind (``kv_layout``); 501 for pools not wired in."""
+        if self._layout is None:
+            pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
+            try:
+                layout = kv_layout(pool)
+                check_full_attention(served_model(self.scheduler))
+            except UnsupportedKV as e:
+                raise SpliceError(501, f"splices are not supported on this model: {e}") from e
+            self._layout = layout
+        return self._layout
 
-    def _rope_spec(self) -> tuple[Any, Any]:
+    def _rope_spec(self) -> tuple[RopeSpec, RopeBand, str]:
+        """The served model's RoPE (``served_rope``: its rotary modules, else the config), the
+        band it occupies in a cache row, and the source ("model" or "config")."""
         if self._rope is None:
-            from leyline_agent.kernels.rope import RopeSpec, mla_band
-
+            layout = self._kv_buffers()
             cfg = self.scheduler.model_config.hf_config.to_dict()
             try:
-                self._rope = (RopeSpec.from_hf_config(cfg), mla_band(cfg))
+                spec, source = served_rope(served_model(self.scheduler), cfg)
+                band = layout.band(spec)
             except (ValueError, KeyError, TypeError) as e:
                 raise SpliceError(501, f"splices are not supported on this model: {e}") from e
+            self._rope = (spec, band, source)
         return self._rope
 
     def _preflight(self, req: SpliceRequest) -> LeylineRadixCache:
@@ -193,9 +212,13 @@ class SpliceExecutor:
 
         if src.numel() == 0:
             return
-        spec, band = self._rope_spec()
+        spec, band, _ = self._rope_spec()
+        layout = self._kv_buffers()
         old_pos = torch.arange(old.start, old.stop, dtype=torch.int64, device=src.device)
-        delta_rotate(self._kv_buffers(), src, dst, old_pos, old_pos + delta, spec, band)
+        delta_rotate(
+            layout.rotated, src, dst, old_pos, old_pos + delta, spec, band,
+            copy_buffers=layout.copied,
+        )  # fmt: skip
 
     # ---- the splice --------------------------------------------------------------------------
     def splice(self, req: SpliceRequest) -> SpliceResponse:
