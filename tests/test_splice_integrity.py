@@ -177,61 +177,33 @@ def test_fault_at_every_step_frees_everything(http: httpx.Client, shape: str, fa
     assert_integrity(stats(http))
 
 
-def test_non_mla_model_is_refused_with_501_and_nothing_leaks() -> None:
-    """Issue 11's second case: a GQA (Qwen3-shaped) model. The splice is refused before any
-    allocation, and the scheduler survives its idle memory check."""
+def test_gqa_model_splices_and_nothing_leaks(tmp_path) -> None:
+    """Issue 11's second case, now supported (issue 15): a GQA (Qwen3-shaped) model over
+    ``MHATokenToKVPool``. The splice succeeds, the whole new sequence is cached, and the scheduler
+    survives its idle memory check. (Refusals of pools a splice cannot edit: test_gqa_models.)"""
     pytest.importorskip("sglang")
-    import json
-    import tempfile
-    from pathlib import Path
-
     from leyline_agent.server import EmbeddedServer
-    from leyline_agent.tokenizer import (
-        DEFAULT_EOS_TOKEN_ID,
-        DEFAULT_VOCAB_SIZE,
-        default_tokenizer_dir,
-    )
+    from leyline_agent.testing.model_check import write_tiny_model
 
-    d = Path(tempfile.mkdtemp(prefix="qwen3-tiny-"))
-    cfg = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 4096,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "vocab_size": DEFAULT_VOCAB_SIZE,
-        "eos_token_id": DEFAULT_EOS_TOKEN_ID,
-    }
-    (d / "config.json").write_text(json.dumps(cfg))
-    for f in default_tokenizer_dir().iterdir():
-        if f.is_file():
-            (d / f.name).write_bytes(f.read_bytes())
+    d = write_tiny_model(tmp_path / "qwen3", "qwen3")
     with (
-        EmbeddedServer(
-            model_path=d, max_total_tokens=4096, extra_args=["--load-format", "dummy"]
-        ) as srv,
+        EmbeddedServer(model_path=d, max_total_tokens=4096, extra_args=["--dummy"]) as srv,
         httpx.Client(base_url=srv.url, timeout=300) as c,
     ):
         key = ns()
         toks = seq(300, 40)
         gen(c, toks, key)
-        st0 = stats(c)
-        r = splice(c, toks, [{"start": 40, "end": 90, "replacement": seq(4, 41)}], key)
-        assert r.status_code == 501, r.text
-        assert "MLA" in r.json()["error"]
-        assert stats(c) == st0 and st0["ok"]
+        assert_integrity(stats(c))
+        ds = [{"start": 40, "end": 90, "replacement": seq(4, 41)}]
+        r = splice(c, toks, ds, key)
+        assert r.status_code == 200, r.text
+        new = apply(toks, ds)
+        assert r.json()["new_length"] == len(new) and r.json()["rotated"] == 300 - 90
+        assert_integrity(stats(c))
         time.sleep(6)  # SGLang's idle check runs while idle; a leak would kill the scheduler
         assert c.get("/health").status_code == 200
-        assert gen(c, toks + [5], key)["cached_tokens"] == 300
+        assert gen(c, new + [5], key)["cached_tokens"] == len(new)
+        assert_integrity(stats(c))
 
 
 def test_short_fuzz_keeps_invariants_and_kv_rows(http: httpx.Client) -> None:

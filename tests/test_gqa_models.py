@@ -1,0 +1,88 @@
+"""Splices beyond MLA: one real ``leyline serve`` per model family (tiny GQA configs shaped like
+the released ones, dummy weights, bf16, 2 layers, a 4,096-token pool), started one at a time.
+
+On each: AMORTIZE leaves the whole spliced sequence cached, K's rotary dims within 1 bf16 ulp of
+the exact rotation of the old rows (with the spec the server reports, which must match the HF
+config), K's other dims and V bit-identical; FORGET equals a fresh prefill; bad input is refused
+with a 4xx and changes nothing (``leyline_agent/testing/model_check.py``). And a KV cache the
+splice cannot edit (fp8) is refused with 501 before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from live import assert_integrity, gen, ns, rows, seq, splice, stats
+
+from leyline_agent.kernels.rope import RopeSpec, inv_freq
+from leyline_agent.testing import model_check
+from leyline_agent.testing.model_check import EXPECTED_ROPE, FAMILIES
+
+pytestmark = pytest.mark.sglang
+
+
+def serve(model_dir: Path, *extra: str) -> Iterator[httpx.Client]:
+    if os.environ.get("CI"):
+        import sglang  # noqa: F401
+    else:
+        pytest.importorskip("sglang", reason="the sglang extra is not installed")
+    from leyline_agent.server import EmbeddedServer
+
+    with (
+        EmbeddedServer(
+            model_path=model_dir,
+            max_total_tokens=4096,
+            extra_args=["--dummy", *extra],
+            env={"LEYLINE_DEBUG_ENDPOINTS": "1"},
+        ) as srv,
+        httpx.Client(base_url=srv.url, timeout=600) as c,
+    ):
+        yield c
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_splices_are_exact(family: str, tmp_path: Path) -> None:
+    model_dir = model_check.write_tiny_model(tmp_path / family, family)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    for c in serve(model_dir):
+        amortize = model_check.check_amortize(c)
+        assert amortize["kind"] == "mha" and amortize["rope_source"] == "model"
+        assert amortize["spec"] == EXPECTED_ROPE[family], amortize["spec"]
+        assert amortize["band_max_ulp"] <= 1.0 and amortize["rows_checked"] > 0
+        assert amortize["copied"] > 0 and amortize["in_place"]  # both copy paths ran
+
+        # the server's spec (from its rotary modules) agrees with the HF config's
+        r = rows(c, seq(4, 1), None)
+        served = RopeSpec(**r["rope"]["spec"])
+        from_config = RopeSpec.from_hf_config(cfg, pairing=served.pairing)
+        assert served.rotary_dim == from_config.rotary_dim
+        rel = (inv_freq(served) - inv_freq(from_config)).abs() / inv_freq(from_config)
+        assert float(rel.max()) < 1e-5, float(rel.max())
+
+        forget = model_check.check_forget(c)
+        assert forget["forget_rows"] > 0
+        bad = model_check.check_bad_input(c)
+        assert set(bad["bad_input"].values()) <= {400, 422}
+        assert_integrity(stats(c))
+
+
+def test_fp8_kv_cache_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:
+    model_dir = model_check.write_tiny_model(tmp_path / "qwen3", "qwen3")
+    for c in serve(model_dir, "--kv-cache-dtype", "fp8_e4m3"):
+        key = ns()
+        toks = seq(200, 40)
+        gen(c, toks, key)
+        st0 = stats(c)
+        r = splice(c, toks, [{"start": 40, "end": 90, "replacement": seq(4, 41)}], key)
+        assert r.status_code == 501, r.text
+        assert "fp8" in r.json()["error"]
+        assert stats(c) == st0 and st0["ok"]
+        time.sleep(6)  # SGLang's idle check runs while idle; a leak would kill the scheduler
+        assert c.get("/health").status_code == 200
+        assert gen(c, toks + [5], key)["cached_tokens"] == 200
