@@ -14,6 +14,7 @@ app = typer.Typer(
     "instead of re-prefilling.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # click's plain help: paragraphs re-wrapped, no <bool> type column
 )
 
 
