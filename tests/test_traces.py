@@ -139,3 +139,140 @@ def test_bad_inputs(tmp_path: Path) -> None:
         load(other)
     (tmp_path / "README.md").write_text("not a trace")
     assert load(tmp_path) == []  # directories skip files that are no trace
+
+
+SYSTEM = "Your goal is to debug a Python program to make sure it can pass a set of test functions."
+TASK = "The program doesn't behave as intended. Investigate the repository, then fix the issue."
+ACTIONS = [
+    ("eval", {}, "FAILED test.py::test_counter - AssertionError: assert 2 == 3"),
+    ("view", {"path": "test.py"}, "     1 from counter_code import count\n     2 ..."),
+    ("view", {"path": "counter_code.py"}, "     1 def count(xs):\n     2     return len(xs) - 1"),
+    ("listdir", {}, "/testbed/\n|-- counter_code.py\n|-- test.py"),
+    ("eval", {}, "FAILED test.py::test_counter - AssertionError: assert 2 == 3"),
+]
+
+
+def anthropic_log(steps: int = 5) -> dict:
+    """A debug-gym log as its ``AnthropicLLM`` writes it (modelled on the shared debug-gym log):
+    ``steps`` model calls; call ``k`` sent the system prompt, the task and ``k`` earlier actions,
+    each an assistant ``text`` + ``tool_use`` message answered by a user ``tool_result``."""
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    log = [{"step_id": 0, "action": None, "obs": TASK, "prompt_response_pairs": None}]
+    for k in range(steps):
+        name, args, obs = ACTIONS[k]
+        call_id = f"toolu_01{k:022d}"
+        tool = {"id": call_id, "name": name, "arguments": args}
+        pair = {"prompt": [dict(m) for m in history], "response": "", "tool": tool}
+        log.append({"step_id": k + 1, "action": tool, "obs": obs, "prompt_response_pairs": [pair]})
+        history.append(
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": f"Step {k}: call {name}."},
+                    {"type": "tool_use", "id": call_id, "name": name, "input": args},
+                ],
+            }
+        )
+        history.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call_id, "content": obs}],
+            }
+        )
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}}
+    tools = [
+        {"name": n, "description": f"the {n} tool", "input_schema": schema}
+        for n in ("eval", "view", "listdir")
+    ]
+    return {"problem": "counter", "tools": tools, "uuid": "u", "success": False, "log": log}
+
+
+def test_debug_gym_anthropic_log(tmp_path: Path) -> None:
+    path = tmp_path / "counter.json"
+    path.write_text(json.dumps(anthropic_log()))
+    (trace,) = load(path)
+    assert [len(t) for t in trace.turns] == [2, 4, 6, 8, 10]
+    check_prefix_growth(trace.turns)
+    last = trace.turns[-1]
+    assert [m["role"] for m in last] == ["system", "user"] + ["assistant", "tool"] * 4
+    for k, (assistant, tool) in enumerate(zip(last[2::2], last[3::2], strict=True)):
+        name, args, obs = ACTIONS[k]
+        (call,) = assistant["tool_calls"]
+        assert call["id"] == f"toolu_01{k:022d}" and call["function"]["name"] == name
+        assert json.loads(call["function"]["arguments"]) == args
+        assert isinstance(call["function"]["arguments"], str)
+        assert assistant["content"] == f"Step {k}: call {name}."
+        assert tool == {"role": "tool", "content": obs, "tool_call_id": call["id"], "name": name}
+        assert is_observation(tool)
+    assert [t["function"]["name"] for t in trace.tools] == ["eval", "view", "listdir"]
+    assert trace.tools[1]["function"]["parameters"]["properties"] == {"path": {"type": "string"}}
+
+
+def test_trace_check_edits_anthropic_tool_results(tmp_path: Path) -> None:
+    """stale_tool_outputs:keep_last=2 stubs step s's output once the prompt holds s + 2 actions.
+    The 5 prompts hold 0..4 actions, so the prompts with 3 and 4 actions each evict one more
+    output: 2 edited turns, 1 directive each (when tool results were read as empty user
+    messages, nothing was an observation and the check reported 0)."""
+    from typer.testing import CliRunner
+
+    from leyline_agent.cli import app
+
+    (tmp_path / "counter.json").write_text(json.dumps(anthropic_log()))
+    (tmp_path / "notes.md").write_text("not a trace")
+    (tmp_path / "broken.json").write_text('{"log": 3}')
+    result = CliRunner().invoke(
+        app, ["trace", "check", str(tmp_path), "--policy", "stale_tool_outputs:keep_last=2"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary == {"traces": 1, "turns": 5, "exact": 5, "edited_turns": 2, "directives": 2}
+    assert f"skipped {tmp_path / 'notes.md'}: not a .traj/.json/.jsonl file" in result.output
+    assert f"skipped {tmp_path / 'broken.json'}: not a SWE-agent .traj" in result.output
+
+
+def test_directory_names_every_file_it_skips(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "run.json").write_text(json.dumps(anthropic_log(2)))
+    (tmp_path / "LICENSE").write_text("MIT")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "no_calls.traj").write_text(
+        json.dumps({"history": [{"role": "user", "content": "x"}]})
+    )
+    blocks = [{"role": "assistant", "content": [{"type": "audio", "data": "..."}]}]
+    (tmp_path / "odd.jsonl").write_text(json.dumps(blocks) + "\n")
+    traces = load(tmp_path)
+    assert [t.name for t in traces] == ["run"]
+    reasons = {Path(p).name: r for p, r in traces.skipped}
+    assert reasons.keys() == {"LICENSE", "bad.jsonl", "empty.jsonl", "no_calls.traj", "odd.jsonl"}
+    assert reasons["LICENSE"] == "not a .traj/.json/.jsonl file"
+    assert reasons["bad.jsonl"].startswith(f"{tmp_path / 'bad.jsonl'}:1: not JSON")
+    assert reasons["empty.jsonl"] == reasons["no_calls.traj"] == "no model call recorded"
+    assert "unknown content blocks ['audio']" in reasons["odd.jsonl"]
+    with pytest.raises(TraceFormatError, match="no model call recorded"):
+        load(tmp_path / "empty.jsonl")  # a single file raises instead
+
+
+def test_anthropic_blocks_in_jsonl(tmp_path: Path) -> None:
+    """One message per line, Anthropic blocks: a tool_result line becomes tool messages (plus a
+    user message for the line's text) and keeps its turn."""
+    rows = [
+        {"role": "user", "content": "fix it", "turn": 0},
+        {"role": "assistant", "turn": 1, "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "s"},
+            {"type": "tool_use", "id": "a", "name": "view", "input": {"path": "x.py"}},
+            {"type": "tool_use", "id": "b", "name": "eval", "input": {}},
+        ]},
+        {"role": "user", "turn": 1, "content": [
+            {"type": "tool_result", "tool_use_id": "a", "content": [{"type": "text", "text": "1"}]},
+            {"type": "tool_result", "tool_use_id": "b", "content": "ok"},
+            {"type": "text", "text": "go on"},
+        ]},
+    ]  # fmt: skip
+    (trace,) = load(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert [len(t) for t in trace.turns] == [1, 5]
+    _, assistant, t1, t2, user = trace.turns[-1]
+    assert assistant["content"] is None and [c["id"] for c in assistant["tool_calls"]] == ["a", "b"]
+    assert t1 == {"role": "tool", "content": "1", "tool_call_id": "a", "name": "view"}
+    assert t2 == {"role": "tool", "content": "ok", "tool_call_id": "b", "name": "eval"}
+    assert user == {"role": "user", "content": "go on"}

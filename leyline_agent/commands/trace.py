@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
 @app.callback()
@@ -41,8 +41,9 @@ def check(
     rejected, reported on stderr, counted as not exact); prompt (tokens of the last prompt);
     prefill (tokens a splicing engine prefills over the whole trace: new tails plus
     replacements). The last stdout line is {"traces", "turns", "exact", "edited_turns",
-    "directives"}, the same counts summed over all traces. Exit status 1 when a turn is not exact,
-    2 when no trace was found.
+    "directives"}, the same counts summed over all traces. Every file under a directory that gives
+    no trace is named on stderr with the reason ("skipped PATH: REASON"). Exit status 1 when a
+    turn is not exact, 2 when no trace was found.
     """
     import jinja2
     from rich.console import Console
@@ -65,7 +66,13 @@ def check(
     if missing:
         err.print(f"no such file or directory: {', '.join(missing)}")
         raise typer.Exit(2)
-    traces = [t for p in paths for t in load(p)]
+    traces, skipped = [], []
+    for p in paths:
+        loaded = load(p)
+        traces += loaded
+        skipped += loaded.skipped
+    for path, reason in skipped:  # every file that gave no trace, named
+        err.print(f"skipped {path}: {reason}", markup=False, highlight=False, soft_wrap=True)
     if not traces:
         err.print(f"no traces found in {', '.join(map(str, paths))}")
         raise typer.Exit(2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from leyline_agent.traces import Trace, TraceFormatError, normalize_message
+from leyline_agent.traces import Trace, TraceFormatError, normalize_messages, normalize_tools
 
 
 def matches(data: Any) -> bool:
@@ -31,8 +31,8 @@ def load_data(data: dict[str, Any], path: Path) -> list[Trace]:
             prompt = pair.get("prompt")
             if not isinstance(prompt, list):
                 raise TraceFormatError(f"{path}: step {step.get('step_id')} has no prompt list")
-            turns.append([normalize_message(m) for m in prompt])
-    tools = data.get("tools") or None
+            turns.append(normalize_messages(prompt))
+    tools = normalize_tools(data.get("tools"))
     return [Trace(path.stem, turns, tools, str(path))]
 
 

@@ -17,7 +17,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from leyline_agent.traces import Trace, TraceFormatError, normalize_message, turns_at_assistant
+from leyline_agent.traces import (
+    Trace,
+    TraceFormatError,
+    normalize_messages,
+    normalize_tools,
+    turns_at_assistant,
+)
 
 
 def _lines(path: Path) -> list[tuple[int, Any]]:
@@ -54,25 +60,30 @@ def _per_request(path: Path, lines: list[tuple[int, Any]]) -> Trace:
         messages = value if isinstance(value, list) else value["messages"]
         if not isinstance(messages, list):
             raise TraceFormatError(f"{path}:{no}: 'messages' is not a list")
-        turns.append([normalize_message(m) for m in messages])
+        turns.append(normalize_messages(messages))
         if isinstance(value, dict) and value.get("tools"):
-            tools = value["tools"]
+            tools = normalize_tools(value["tools"])
     return Trace(path.stem, turns, tools, str(path))
 
 
 def _per_message(path: Path, lines: list[tuple[int, Any]]) -> Trace:
     messages, turn_of, tools = [], [], None
+    names: dict[str, str] = {}
     for no, value in lines:
         if not isinstance(value, dict):
             raise TraceFormatError(f"{path}:{no}: expected a message object")
         if "role" not in value and "tools" in value:
-            tools = value["tools"]
+            tools = normalize_tools(value["tools"])
             continue
-        messages.append(normalize_message(value))
+        try:
+            expanded = normalize_messages([value], names)
+        except TraceFormatError as e:
+            raise TraceFormatError(f"{path}:{no}: {e}") from e
         turn = value.get("turn")
         if turn is not None and not isinstance(turn, int):
             raise TraceFormatError(f"{path}:{no}: 'turn' must be an integer")
-        turn_of.append(turn)
+        messages += expanded
+        turn_of += [turn] * len(expanded)
     if any(t is not None for t in turn_of):
         if any(t is None for t in turn_of):
             raise TraceFormatError(f"{path}: some messages have a 'turn' key and some do not")

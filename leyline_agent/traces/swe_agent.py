@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from leyline_agent.policies.base import OBSERVATION_KEY
-from leyline_agent.traces import Trace, TraceFormatError, normalize_message, turns_at_assistant
+from leyline_agent.traces import Trace, TraceFormatError, normalize_messages, turns_at_assistant
 
 
 def matches(data: Any) -> bool:
@@ -26,8 +26,7 @@ def load_data(data: dict[str, Any], path: Path) -> list[Trace]:
         raise TraceFormatError(f"{path}: no 'history' list")
     messages = []
     acted = False
-    for raw in data["history"]:
-        msg = normalize_message(raw)
+    for msg in normalize_messages(data["history"]):
         if msg["role"] == "user" and acted:
             msg[OBSERVATION_KEY] = True
         acted = acted or msg["role"] == "assistant"
