@@ -198,13 +198,18 @@ class Renderer:
         messages: Sequence[Message],
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt string (what ``apply_chat_template(..., tokenize=False)`` returns).
+        """The prompt string (what ``apply_chat_template(..., tokenize=False, **template_kwargs)``
+        returns; ``template_kwargs`` are extra template variables, as SGLang's
+        ``chat_template_kwargs``).
 
         Raises:
             jinja2.TemplateError: the template rejects the conversation (``raise_exception``).
         """
-        return self._render_normalized(*self._normalized(messages, tools), add_generation_prompt)
+        return self._render_normalized(
+            *self._normalized(messages, tools), add_generation_prompt, template_kwargs
+        )
 
     def _normalized(
         self, messages: Sequence[Message], tools: Sequence[Any] | None
@@ -214,23 +219,31 @@ class Renderer:
         return list(messages), tools
 
     def _render_normalized(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         return self._template(tools).render(
             messages=list(messages),
             tools=list(tools) if tools is not None else None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **self._vars,
+            **{**self._vars, **(template_kwargs or {})},
         )
 
     def _try_render(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None, normalized: bool = False
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None,
+        normalized: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str | None:
         try:
             if normalized:
-                return self._render_normalized(messages, tools, False)
-            return self.render_text(messages, tools, add_generation_prompt=False)
+                return self._render_normalized(messages, tools, False, template_kwargs)
+            return self.render_text(messages, tools, False, template_kwargs)
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError):
             return None  # a prefix the template rejects only loses a boundary
 
@@ -239,6 +252,7 @@ class Renderer:
         messages: Sequence[Message],
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Rendered:
         """Token ids of the prompt and the token span of every message (see module docstring).
 
@@ -248,14 +262,18 @@ class Renderer:
         Raises:
             jinja2.TemplateError: the template rejects the full conversation.
         """
-        text = self.render_text(messages, tools, add_generation_prompt)
-        bounds = self.raw_bounds(messages, tools, text)
+        text = self.render_text(messages, tools, add_generation_prompt, template_kwargs)
+        bounds = self.raw_bounds(messages, tools, text, template_kwargs)
         clamp_to_contents(bounds, messages, text)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         return Rendered(list(enc.ids), token_spans([s for s, _ in enc.offsets], bounds), text)
 
     def raw_bounds(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None, text: str
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None,
+        text: str,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Character boundaries of the messages in ``text`` (their rendering), before
         ``clamp_to_contents``: ``n + 1`` non-decreasing offsets (see module docstring)."""
@@ -271,10 +289,10 @@ class Renderer:
         def render_prefix(k: int, probe: Message | None = None) -> str | None:
             extra = [probe] if probe is not None else []
             if norm is None:
-                return self._try_render([*messages[:k], *extra], tools)
+                return self._try_render([*messages[:k], *extra], tools, False, template_kwargs)
             if extra and self.sglang_compat:
                 extra = sglang_messages(extra)
-            return self._try_render([*norm[:k], *extra], norm_tools, normalized=True)
+            return self._try_render([*norm[:k], *extra], norm_tools, True, template_kwargs)
 
         for k in range(n + 1):
             b = bounds[k - 1] if k else 0

@@ -266,7 +266,12 @@ class TurnPlan:
         exact: ``apply_directives(previous, directives) + tail == tokens`` (verified).
         fallback: part of the diff was not explained by message edits (see ``Diff``).
         sources: per edited message, its index in the incoming list.
-        base_len: length of the previous prompt the directives apply to.
+        base_len: length of the previous prompt the directives apply to (its first ``base_len``
+            tokens: a generation prompt the new messages do not follow is ``dropped``).
+        dropped: tokens at the end of the previous prompt left out of this one without a
+            directive. The generation prompt (``<|im_start|>assistant\n``) is not history: when
+            the next list does not carry a reply after it, the prefix before it is reused as a
+            plain prefix hit (no splice).
         turn: index of this turn since the last reset.
         tools: the tool schemas rendered with the messages.
         keys: ``message_key`` of every message (what the next turn aligns against).
@@ -282,6 +287,7 @@ class TurnPlan:
     fallback: bool
     sources: list[int] = field(default_factory=list)
     base_len: int = 0
+    dropped: int = 0
     turn: int = 0
     tools: list[Any] | None = None
     keys: list[Hashable] = field(default_factory=list, repr=False, compare=False)
@@ -346,16 +352,29 @@ class ConversationWrapper:
         )
 
     def plan(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> TurnPlan:
         """Apply the policy, render, and diff against ``self.tokens`` (no state changes).
+
+        ``template_kwargs``: extra chat-template variables (SGLang's ``chat_template_kwargs``);
+        such turns are rendered in full.
 
         Raises:
             PolicyError: the policy returned invalid edits.
             jinja2.TemplateError: the chat template rejects the edited conversation.
         """
+        render = self._render
+        if template_kwargs:
+
+            def render(m: Sequence[Mapping[str, Any]], t: Sequence[Any] | None) -> Rendered:
+                return self.renderer.render(m, t, template_kwargs=template_kwargs)
+
         incoming = [_clean(m) for m in messages]
-        rendered = self._render(incoming, tools)
+        rendered = render(incoming, tools)
         edits = list(self.policy(self._conversation(messages, rendered)))
         edited = apply_edits(messages, edits)
         sent = [  # messages no edit touched are the incoming ones, already cleaned
@@ -363,7 +382,7 @@ class ConversationWrapper:
             for m, i in zip(edited.messages, edited.sources, strict=True)
         ]
         if sent != incoming:
-            rendered = self._render(sent, tools)
+            rendered = render(sent, tools)
         keys = [message_key(m) for m in sent]
         last = self._last
         if last is not None and self.tokens[: len(last.tokens)] == last.tokens:
@@ -394,7 +413,18 @@ class ConversationWrapper:
             )
         else:
             diff = diff_tokens(self.tokens, rendered.tokens, self.default_mode)
-        exact = _edited(self.tokens, diff.directives) + diff.tail == rendered.tokens
+        base = len(self.tokens)
+        opener = last.spans[-1][1] if last is not None and last.spans else base
+        if (
+            diff.directives
+            and diff.directives[-1].end == base
+            and diff.directives[0].start >= opener
+        ):
+            # NOTE: only the generation prompt (after the last old message) changes: the tokens
+            # before the first directive are a prefix of the new prompt, a plain prefix hit.
+            base = diff.directives[0].start
+            diff = Diff([], list(rendered.tokens[base:]), diff.fallback)
+        exact = _edited(self.tokens[:base], diff.directives) + diff.tail == rendered.tokens
         return TurnPlan(
             messages=sent,
             tokens=rendered.tokens,
@@ -405,22 +435,33 @@ class ConversationWrapper:
             exact=exact,
             fallback=diff.fallback,
             sources=edited.sources,
-            base_len=len(self.tokens),
+            base_len=base,
+            dropped=len(self.tokens) - base,
             turn=self._turn,
             tools=list(tools) if tools else None,
             keys=keys,
         )
 
-    def commit(self, plan: TurnPlan) -> None:
-        """Record that the server now holds ``plan.tokens``.
+    def commit(self, plan: TurnPlan, tokens: Sequence[int] | None = None) -> None:
+        """Record that the server now holds ``plan.tokens`` (or ``tokens``: what it really
+        holds for this plan's messages, e.g. the backend's own rendering, or only the spliced
+        prefix when the request after the splice failed).
+
+        A plan whose tokens the server does not hold exactly is diffed by tokens next turn.
 
         Raises:
             ValueError: ``plan`` was made against a different previous prompt.
         """
-        if plan.base_len != len(self.tokens):
+        held = len(self.tokens)
+        if plan.base_len + plan.dropped != held:
             raise ValueError(
-                f"plan was made against {plan.base_len} tokens, the wrapper holds {len(self.tokens)}"
+                f"plan was made against {plan.base_len} tokens, the wrapper holds {held}"
             )
-        self.tokens = list(plan.tokens)
+        self.tokens = list(plan.tokens if tokens is None else tokens)
         self._last = plan
         self._turn += 1
+
+    def hold(self, tokens: Sequence[int]) -> None:
+        """Record that the server now holds ``tokens`` for the last committed plan (a turn
+        committed at its splice whose request then prefilled more, or other tokens)."""
+        self.tokens = list(tokens)

@@ -45,12 +45,15 @@ def sglang_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
     Mirrors ``serving_chat`` (sglang 0.5.x): assistant tool-call ``arguments`` given as JSON
     strings are parsed into objects (so ``tojson`` re-serialises them), ``content: None``
-    becomes ``""``, top-level keys whose value is ``None`` are dropped, and a tool message's
-    list of text parts is joined with spaces.
+    becomes ``""``, top-level keys whose value is ``None`` are dropped, a tool message's
+    list of text parts is joined with spaces, and a user message keeps only ``role`` and
+    ``content`` (SGLang's user-message model has no other field: ``name`` is dropped).
     """
     out = []
     for message in messages:
         m = dict(message)
+        if m.get("role") == "user":
+            m = {"role": "user", "content": m.get("content")}
         if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
             m["tool_calls"] = [_sglang_tool_call(c) for c in m["tool_calls"]]
         if m.get("content") is None:

@@ -1,0 +1,154 @@
+"""What SGLang's chat endpoint does with a request before and around the chat template.
+
+Mirrors sglang 0.5.23 ``serving_chat`` (``_validate_request``, ``_apply_jinja_template``,
+``_handle_last_assistant_message``, ``_convert_to_internal_request``) and the tokenizer manager's
+length checks, without importing SGLang:
+
+- ``request_error``: the message shapes the backend certainly refuses (400), so that the proxy can
+  refuse them before any splice;
+- ``length_error``: a prompt (plus the completion budget) past the context length;
+- ``final_assistant``: a list that ends with an assistant message is rendered with that message
+  as a *user* turn, or, with ``continue_final_message``, without it and with its text appended to
+  the prompt after the generation prompt;
+- ``template_kwargs``: the extra template variables (``chat_template_kwargs``, with
+  ``reasoning_effort`` from either place).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "latest_reminder", "root")
+
+
+def _text_parts(content: Any) -> bool:
+    return isinstance(content, list) and all(
+        isinstance(p, str) or (isinstance(p, dict) and p.get("type") in ("text", "input_text"))
+        for p in content
+    )
+
+
+def _message_error(k: int, m: Any) -> str | None:
+    if not isinstance(m, Mapping):
+        return f"messages[{k}] must be an object"
+    role = m.get("role")
+    if not isinstance(role, str) or role.lower() not in ROLES:
+        return f"messages[{k}]: 'role' must be one of {', '.join(map(repr, ROLES))}"
+    content = m.get("content")
+    if role.lower() == "user" and content is None:
+        return f"messages[{k}]: a user message needs 'content'"
+    if content is not None and not isinstance(content, (str, list)):
+        return f"messages[{k}]: 'content' must be a string, a list of parts or null"
+    if isinstance(content, list) and not all(
+        isinstance(p, Mapping) and isinstance(p.get("type"), str) for p in content
+    ):
+        return f"messages[{k}]: every content part must be an object with a 'type'"
+    calls = m.get("tool_calls")
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return f"messages[{k}]: 'tool_calls' must be a list"
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping):
+            return f"messages[{k}]: every tool call needs a 'function' object"
+        args = fn.get("arguments")
+        if role.lower() == "assistant" and isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                return "Assistant tool call function.arguments must be valid JSON."
+            if not isinstance(parsed, dict):
+                return "Assistant tool call function.arguments must be a JSON object."
+    return None
+
+
+def request_error(body: Any) -> str | None:
+    """Why the backend would refuse this chat-completions body with a 400 (None: it may not).
+
+    Checks only what SGLang 0.5.23 refuses for every model: the body shape, each message's role,
+    content and tool calls (assistant tool-call ``arguments`` must be a JSON object), ``n``.
+    Template errors (a role the template does not render) come from rendering.
+    """
+    if not isinstance(body, Mapping):
+        return "the request body must be a JSON object"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for k, m in enumerate(messages):
+        error = _message_error(k, m)
+        if error is not None:
+            return error
+    n = body.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        return "'n' must be an integer >= 1"
+    return None
+
+
+def max_new_tokens(body: Mapping[str, Any]) -> int | None:
+    """The completion budget: ``max_completion_tokens``, else ``max_tokens`` (SGLang's order)."""
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def length_error(prompt_tokens: int, max_new: int | None, context_len: int | None) -> str | None:
+    """The tokenizer manager's refusal of a prompt that does not fit (None: it fits)."""
+    if not context_len:
+        return None
+    if prompt_tokens >= context_len:
+        return (
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+            f"({context_len} tokens)."
+        )
+    if max_new is not None and prompt_tokens + max_new > context_len:
+        return (
+            "Requested token count exceeds the model's maximum context length of "
+            f"{context_len} tokens. You requested a total of {prompt_tokens + max_new} tokens: "
+            f"{prompt_tokens} tokens from the input messages and {max_new} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit."
+        )
+    return None
+
+
+def final_assistant(
+    messages: Sequence[Mapping[str, Any]], continue_final_message: bool = False
+) -> tuple[list[dict[str, Any]], str | None]:
+    """``(messages to render, text appended after the generation prompt)``.
+
+    SGLang renders a list ending with an assistant message whose content is text (``None`` and
+    text parts count: they become a string first) with that message replaced by
+    ``{"role": "user", "content": text}`` (its tool calls dropped), or, under
+    ``continue_final_message``, without it and with ``encode(text)`` appended to the prompt.
+    """
+    out = [dict(m) for m in messages]
+    if not out or out[-1].get("role") != "assistant":
+        return out, None
+    content = out[-1].get("content")
+    if content is None:
+        content = ""
+    elif _text_parts(content):
+        content = " ".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        return out, None
+    if continue_final_message:
+        return out[:-1], content
+    out[-1] = {"role": "user", "content": content}
+    return out, None
+
+
+def template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The extra chat-template variables SGLang passes for this request.
+
+    ``chat_template_kwargs`` as given, with ``reasoning_effort`` set from it or, failing that,
+    from the top-level field (SGLang moves the kwargs' one to the request first).
+    """
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    effort = kwargs.pop("reasoning_effort", None)
+    if effort is None:
+        effort = body.get("reasoning_effort")
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+    return kwargs
