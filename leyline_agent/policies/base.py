@@ -180,6 +180,18 @@ class EditResult(NamedTuple):
 def apply_edits(messages: Sequence[Mapping[str, Any]], edits: Sequence[Edit]) -> EditResult:
     """Apply edits to a message list (the input is not modified).
 
+    An edit changes a message's ``content`` and nothing else: ``role``, ``tool_call_id``,
+    ``name``, ``tool_calls`` and every other key stay as they were. Content keeps its type:
+
+    - a string stays a string (``None`` content replaced as a whole becomes the replacement);
+    - multi-part content (a list) stays a list. A whole-content replacement becomes one text part
+      (``[{"type": "text", "text": replacement}]``; the replacement stands for every part). Span
+      edits refer to the parts' text joined with spaces (``message_text``); each text part keeps
+      its place when every span lies inside one part, otherwise the text parts are merged into
+      one text part at the first one's place (the joined text is what SGLang renders for a
+      string-content template, so the prompt outside the spans is unchanged), and non-text
+      parts keep theirs.
+
     Raises:
         PolicyError: an index or span out of range, overlapping spans on one message, or a
             whole-message edit combined with another edit of the same message.
@@ -207,7 +219,9 @@ def apply_edits(messages: Sequence[Mapping[str, Any]], edits: Sequence[Edit]) ->
             raise PolicyError(f"message {i}: a whole-message edit cannot be combined with others")
         if whole:
             if whole[0].replacement is not None:
-                out.append({**message, "content": whole[0].replacement})
+                text = whole[0].replacement
+                content = [_text_part(text)] if isinstance(message.get("content"), list) else text
+                out.append({**message, "content": content})
                 sources.append(i)
             continue
         text = message_text(message)
@@ -217,12 +231,60 @@ def apply_edits(messages: Sequence[Mapping[str, Any]], edits: Sequence[Edit]) ->
                 raise PolicyError(f"message {i}: overlapping edit spans {a.span} and {b.span}")
         if ordered[-1].span[1] > len(text):  # type: ignore[index]
             raise PolicyError(f"message {i}: span {ordered[-1].span} past its {len(text)} chars")
-        for e in reversed(ordered):
-            s, t = e.span  # type: ignore[misc]
-            text = text[:s] + e.replacement + text[t:]  # type: ignore[operator]
-        out.append({**message, "content": text})
+        content = message.get("content")
+        if isinstance(content, list):
+            new_content: Any = _edit_parts(content, ordered)
+        else:
+            new_content = _edit_text(text, ordered)
+        out.append({**message, "content": new_content})
         sources.append(i)
     return EditResult(out, sources, modes)
+
+
+def _edit_text(text: str, ordered: Sequence[Edit]) -> str:
+    """``text`` with non-overlapping span edits (sorted by span) applied."""
+    for e in reversed(ordered):
+        s, t = e.span  # type: ignore[misc]
+        text = text[:s] + e.replacement + text[t:]  # type: ignore[operator]
+    return text
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, str) or part.get("type") == "text"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _edit_parts(parts: list[Any], ordered: Sequence[Edit]) -> list[Any]:
+    """Span edits (over ``message_text``'s join of the text parts) applied to a parts list."""
+    texts = [i for i, p in enumerate(parts) if _is_text_part(p)]
+    bounds, start = [], 0
+    for i in texts:
+        n = len(message_text({"content": [parts[i]]}))
+        bounds.append((i, start, start + n))
+        start += n + 1  # the joining space
+    owner = []
+    for e in ordered:
+        s, t = e.span  # type: ignore[misc]
+        inside = [(i, a) for i, a, b in bounds if a <= s and t <= b]
+        owner.append(inside[0] if inside else None)
+    if not texts or None in owner:  # a span crosses a part boundary: merge the text parts
+        merged = _text_part(_edit_text(message_text({"content": parts}), ordered))
+        first = texts[0] if texts else 0
+        rest = [p for i, p in enumerate(parts) if i not in texts]
+        return [*rest[:first], merged, *rest[first:]]
+    out = list(parts)
+    for i, a in dict.fromkeys(owner):  # type: ignore[misc]
+        shifted = [
+            e.model_copy(update={"span": (e.span[0] - a, e.span[1] - a)})  # type: ignore[index]
+            for e, o in zip(ordered, owner, strict=True)
+            if o == (i, a)
+        ]
+        text = _edit_text(message_text({"content": [parts[i]]}), shifted)
+        out[i] = text if isinstance(parts[i], str) else {**parts[i], "text": text}
+    return out
 
 
 # --- registry ---------------------------------------------------------------------------------

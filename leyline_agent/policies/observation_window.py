@@ -3,7 +3,8 @@
 Observation masking as agent frameworks do it (SWE-agent's ``last_n_observations`` history
 processor): each older observation's content becomes ``placeholder`` with ``{lines}`` = its number
 of lines, so the agent still sees that an output was there and how long it was. Counted per
-observation (not per agent step). A masked observation never changes again. Mode AMORTIZE.
+observation (not per agent step). A masked observation never changes again while the agent only
+appends (or drops whole old observations: the window counts back from the newest). Mode AMORTIZE.
 """
 
 from __future__ import annotations

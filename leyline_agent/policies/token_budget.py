@@ -4,8 +4,10 @@ Observations are evicted a whole agent step at a time, oldest first, exactly as
 ``stale_tool_outputs`` evicts them (same stub, same ``{n}``), until the sum of the messages' token
 counts (chat markup included, each evicted output counted at its stub's size) is at most
 ``max_tokens``. Only observations are evicted: a conversation whose other messages alone exceed the
-budget stays over it. The conversation only grows between turns, so an evicted step stays evicted.
-Mode AMORTIZE.
+budget stays over it. While the conversation only grows between turns, an evicted step stays
+evicted; if the agent shrinks an earlier message itself (froggy rewrites its system prompt), the
+prompt may fit again and an evicted step comes back verbatim (a re-prefill from it on). Mode
+AMORTIZE.
 """
 
 from __future__ import annotations
