@@ -70,6 +70,7 @@ def test_family_splices_are_exact(family: str, tmp_path: Path) -> None:
         bad = model_check.check_bad_input(c)
         assert set(bad["bad_input"].values()) <= {400, 422}
         assert_integrity(stats(c))
+        print(json.dumps({"family": family, **amortize, **forget}))  # the figures (pytest -s)
 
 
 def test_fp8_kv_cache_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:
