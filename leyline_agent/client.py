@@ -74,12 +74,23 @@ class GenerateResult(NamedTuple):
     meta: dict[str, Any]
 
 
-class LeylineClient:
-    """``LeylineClient("http://127.0.0.1:30000")``. Thread-safe (one httpx.Client)."""
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <api_key>`` (none without a key): a ``leyline serve --api-key``
+    refuses every route but ``/health`` and ``/metrics`` without it (401)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def __init__(self, base_url: str, timeout: float = 600.0):
+
+class LeylineClient:
+    """``LeylineClient("http://127.0.0.1:30000")``. Thread-safe (one httpx.Client).
+
+    ``api_key``: the backend's key (``leyline serve --api-key``), sent on every request.
+    """
+
+    def __init__(self, base_url: str, timeout: float = 600.0, *, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.http = httpx.Client(
+            base_url=self.base_url, timeout=timeout, headers=auth_headers(api_key)
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -90,15 +101,20 @@ class LeylineClient:
         directives: Sequence[Directive],
         *,
         extra_key: str | None = None,
+        cache_salt: str | None = None,
         **extra: Any,
     ) -> SpliceResult:
-        """Run directives on the cached ``tokens``. Raises :class:`SpliceRejected`."""
+        """Run directives on the cached ``tokens`` in the namespace ``(extra_key, cache_salt)``
+        (the one the chat or generate request that cached them used). Raises
+        :class:`SpliceRejected`."""
         body = {
             "tokens": list(tokens),
             "directives": [d.model_dump(mode="json") for d in directives],
             "extra_key": extra_key,
             **extra,
         }
+        if cache_salt:
+            body["cache_salt"] = cache_salt
         t0 = time.perf_counter()
         try:
             r = self.http.post("/leyline/splice", json=body)
@@ -125,6 +141,7 @@ class LeylineClient:
         input_ids: Sequence[int],
         *,
         extra_key: str | None = None,
+        cache_salt: str | None = None,
         max_new_tokens: int = 1,
         **sampling: Any,
     ) -> GenerateResult:
@@ -133,6 +150,8 @@ class LeylineClient:
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
         if extra_key is not None:
             body["extra_key"] = extra_key
+        if cache_salt:
+            body["cache_salt"] = cache_salt
         t0 = time.perf_counter()
         r = self.http.post("/generate", json=body)
         r.raise_for_status()

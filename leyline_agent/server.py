@@ -32,6 +32,7 @@ class EmbeddedServer:
 
     Runs ``leyline serve`` (the embedded default model unless ``model_path``) on a free loopback
     port, waits until ``/health`` answers (up to ``timeout`` seconds), and kills it on exit.
+    ``api_key``: the server requires it (``leyline serve --api-key``; ``/health`` stays open).
 
     Raises:
         ServerError: the process exited or did not answer in time (with its log tail).
@@ -46,6 +47,7 @@ class EmbeddedServer:
         extra_args: list[str] | None = None,
         timeout: float = 600.0,
         env: dict[str, str] | None = None,
+        api_key: str | None = None,
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -59,7 +61,12 @@ class EmbeddedServer:
         if model_path is not None:
             self.argv += ["--model-path", str(model_path)]
         self.argv += extra_args or []
+        self.api_key = api_key
         self.env = {**os.environ, **(env or {})}
+        if api_key:  # NOTE: through the environment, not argv (leyline serve reads it)
+            self.env["LEYLINE_SERVE_API_KEY"] = api_key
+        else:
+            self.env.pop("LEYLINE_SERVE_API_KEY", None)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def log_tail(self, n: int = 40) -> str:

@@ -70,6 +70,8 @@ class SessionCore:
         wrapper: the session's ConversationWrapper (holds the policy and the renderer).
         session_id: stable id; the namespace is ``leyline:<session_id>`` unless given.
         splice: send directives to ``/leyline/splice`` (False: the re-prefill arm).
+        cache_salt: SGLang's ``cache_salt``. The backend keys its cache by ``(extra_key,
+            cache_salt)``: one value, sent with every request and every splice of the session.
     """
 
     def __init__(
@@ -80,14 +82,25 @@ class SessionCore:
         session_id: str | None = None,
         splice: bool = True,
         namespace: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.client = client
+        self.cache_salt = cache_salt or None
         self.wrapper = wrapper
         self.session_id = session_id or uuid.uuid4().hex
         self.namespace = namespace or f"leyline:{self.session_id}"
         self.splice_enabled = splice
         self.records: list[TurnRecord] = []
         self.messages: list[dict[str, Any]] = []
+
+    def set_cache_salt(self, cache_salt: str | None) -> None:
+        """Use the client's ``cache_salt`` from this turn on. A changed salt is another cache
+        namespace: nothing cached so far is reachable in it, so the session forgets its tokens
+        (the turn is prefilled in full, no splice refers to the old namespace)."""
+        cache_salt = cache_salt or None
+        if cache_salt != self.cache_salt:
+            self.cache_salt = cache_salt
+            self.wrapper.reset()
 
     def begin(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
@@ -101,7 +114,10 @@ class SessionCore:
         if self.splice_enabled and plan.directives and self.wrapper.tokens:
             try:
                 result = self.client.splice(
-                    self.wrapper.tokens, plan.directives, extra_key=self.namespace
+                    self.wrapper.tokens,
+                    plan.directives,
+                    extra_key=self.namespace,
+                    cache_salt=self.cache_salt,
                 )
                 splice_ms = result.http_ms
             except SpliceRejected as e:
@@ -113,6 +129,9 @@ class SessionCore:
         """The chat-completions body to send: ``body`` with the planned (edited) messages and
         tools, in this session's namespace."""
         out = {**body, "messages": pending.plan.messages, "extra_key": self.namespace}
+        out.pop("cache_salt", None)
+        if self.cache_salt:
+            out["cache_salt"] = self.cache_salt
         if pending.plan.tools:
             out["tools"] = pending.plan.tools
         return out
@@ -182,7 +201,10 @@ class SessionCore:
         """One teacher-forced turn through ``/generate`` with the rendered token ids."""
         pending = self.begin(messages, tools)
         out = self.client.generate(
-            pending.plan.tokens, extra_key=self.namespace, max_new_tokens=max_new_tokens
+            pending.plan.tokens,
+            extra_key=self.namespace,
+            cache_salt=self.cache_salt,
+            max_new_tokens=max_new_tokens,
         )
         record = self.finish(
             pending,
@@ -268,6 +290,7 @@ class LeylineSession:
         policy: a policy or spec string.
         model_path: model directory whose chat template the server uses (None: embedded default).
         splice: False sends the edited request without directives (re-prefill).
+        api_key: the server's key (``leyline serve --api-key``).
     """
 
     def __init__(
@@ -280,8 +303,9 @@ class LeylineSession:
         session_id: str | None = None,
         splice: bool = True,
         timeout: float = 600.0,
+        api_key: str | None = None,
     ) -> None:
-        self.client = LeylineClient(base_url, timeout=timeout)
+        self.client = LeylineClient(base_url, timeout=timeout, api_key=api_key)
         self.model = model or "default"
         self.core = SessionCore(
             self.client,
@@ -301,6 +325,7 @@ class LeylineSession:
         **sampling: Any,
     ) -> dict[str, Any]:
         """Send one turn. Raises ``httpx.HTTPStatusError`` when the backend answers an error."""
+        self.core.set_cache_salt(sampling.get("cache_salt"))
         view = chat_request_view(messages, tools, sampling.get("tool_choice"))
         pending = self.core.begin(*view)
         body: dict[str, Any] = {"model": sampling.pop("model", self.model), **sampling}

@@ -417,9 +417,12 @@ def test_bad_request_is_a_400() -> None:
         assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
 
 
-def _core(session_id: str) -> SessionCore:
+def _core(session_id: str, namespace: str | None = None) -> SessionCore:
     return SessionCore(
-        LeylineClient("http://127.0.0.1:9"), ConversationWrapper(), session_id=session_id
+        LeylineClient("http://127.0.0.1:9"),
+        ConversationWrapper(),
+        session_id=session_id,
+        namespace=namespace,
     )
 
 
@@ -436,6 +439,8 @@ def test_registry_resolution_order() -> None:
     short.core.messages, long_.core.messages = m[:2], m[:5]
     assert reg.resolve(m) is long_ and long_.source == "prefix"
     assert reg.resolve(m[:4]) is short  # m[:5] is no prefix of m[:4]
+    # a session that already reached this length never takes it (another run of the agent)
+    assert reg.resolve(m[:5]) is short
     other = [{"role": "user", "content": "something else"}]
     assert reg.resolve(other) not in (short, long_, by_header)
 
@@ -455,6 +460,7 @@ def test_metrics_text_parses() -> None:
     parser = pytest.importorskip("prometheus_client.parser")
     reg = SessionRegistry(_core)
     s = reg.resolve([], header='odd"id')
+    assert s.id == "odd%22id"  # header names are percent-escaped in public ids
     s.core.records.append(
         TurnRecord(turn=0, prompt_tokens=100, cached_tokens=90, prefilled_tokens=10,
                    best_cached_tokens=90, directives_amortize=2, edited=True,
@@ -470,5 +476,5 @@ def test_metrics_text_parses() -> None:
     assert samples[("leyline_proxy_splice_misses_total", ())] == 1
     assert samples[("leyline_proxy_directives_total", (("mode", "amortize"),))] == 2
     assert samples[("leyline_proxy_request_seconds_sum", ())] == pytest.approx(0.02)
-    key = ("leyline_proxy_session_cached_tokens_total", (("session", 'odd"id'),))
+    key = ("leyline_proxy_session_cached_tokens_total", (("session", "odd%22id"),))
     assert samples[key] == 90

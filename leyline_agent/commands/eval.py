@@ -43,6 +43,14 @@ def debug_gym(
     model: Annotated[
         str | None, typer.Option(help="model name for --llm-url (default: its first model)")
     ] = None,
+    backend_api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="LEYLINE_BACKEND_API_KEY",
+            show_envvar=True,
+            help="key of --backend / --llm-url (sent as a bearer token; never written out)",
+        ),
+    ] = None,
     max_steps: Annotated[int, typer.Option(min=1, help="model calls per task")] = 10,
     data_dir: Annotated[
         Path | None,
@@ -154,7 +162,12 @@ def debug_gym(
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         with progress:
-            run = run_eval(spec, on_event=on_event, log=lambda m: err.print(m))
+            run = run_eval(
+                spec,
+                on_event=on_event,
+                log=lambda m: err.print(m),
+                backend_api_key=backend_api_key if (backend or llm_url) else None,
+            )
     except (EvalError, VenvError, ServerError) as e:
         err.print(f"[red]leyline eval debug-gym failed:[/red] {e}")
         raise typer.Exit(1) from e

@@ -35,21 +35,49 @@ def proxy(
         Path | None,
         typer.Option(help="Model directory the backend serves (its tokenizer and chat template)."),
     ] = None,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--api-key",
+            envvar="LEYLINE_PROXY_API_KEYS",
+            show_envvar=True,
+            help="Client key, KEY or KEY=TENANT; repeat for several (env: whitespace-separated). "
+            "Then every route but /health needs 'Authorization: Bearer KEY' (else 401), and "
+            "sessions, cache namespaces, /leyline/sessions and /metrics are scoped by tenant. "
+            "A KEY alone is a tenant of its own.",
+        ),
+    ] = None,
+    backend_api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="LEYLINE_BACKEND_API_KEY",
+            show_envvar=True,
+            help="The backend's key (leyline serve --api-key), sent on every upstream request.",
+        ),
+    ] = None,
 ) -> None:
     """OpenAI-compatible proxy: POST /v1/chat/completions with policy-driven cache edits.
 
     Point an agent's OPENAI_BASE_URL at http://HOST:PORT/v1. Sessions: the X-Leyline-Session
-    header, else the request's `user` field, else the longest matching message history. Also
-    serves GET /v1/models, /leyline/sessions, /leyline/sessions/ID and /metrics (Prometheus).
-    See docs/proxy.md.
+    header, else the request's `user` field, else the live anonymous session that this request
+    extends (longest shared message prefix). Also serves GET /v1/models, /leyline/sessions,
+    /leyline/sessions/ID and /metrics (Prometheus). See docs/proxy.md.
     """
     import uvicorn
 
     from leyline_agent.policies import PolicyError
     from leyline_agent.proxy import create_app
+    from leyline_agent.proxy.auth import ApiKeys
 
     try:
-        api = create_app(backend, policy, splice=splice, record_dir=record, model_path=model_path)
+        ApiKeys(api_key or ())
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--api-key") from e
+    try:
+        api = create_app(
+            backend, policy, splice=splice, record_dir=record, model_path=model_path,
+            api_keys=api_key, backend_api_key=backend_api_key or None,
+        )  # fmt: skip
     except PolicyError as e:
         raise typer.BadParameter(str(e), param_hint="--policy") from e
     except (FileNotFoundError, ValueError) as e:

@@ -47,6 +47,14 @@ def replay(
         str | None,
         typer.Option(help="a running `leyline serve` URL; default: start the embedded one"),
     ] = None,
+    backend_api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="LEYLINE_BACKEND_API_KEY",
+            show_envvar=True,
+            help="--backend's key (leyline serve --api-key); never written to results.json",
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option(help="directory for results.json and the plots")] = Path(
         "runs/replay"
     ),
@@ -142,7 +150,8 @@ def replay(
             err.print(str(e))
             raise typer.Exit(1) from e
         backend = server.url
-    client = LeylineClient(backend)
+        backend_api_key = None
+    client = LeylineClient(backend, api_key=backend_api_key or None)
     try:
         backend_info = _backend_info(client)
         label = f"{len(loaded)} traces x {len(spec.arms)} arms"

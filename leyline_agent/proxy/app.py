@@ -19,6 +19,10 @@ seconds), one that times out 504, a backend error status is passed through; a re
 or the chat template rejects answers 400. A failed splice is not an error (``SessionCore``
 forwards anyway and records ``splice_error``).
 
+Keys (``api_keys``, ``proxy/auth.py``): every route but ``/health`` then needs a client key
+(401 otherwise, before anything else runs); the key's tenant scopes the session, its namespace and
+the listings. ``backend_api_key`` is sent upstream on every request.
+
 Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
 ``GET /leyline/sessions/{id}``, ``GET /metrics`` (Prometheus text), ``GET /health``.
 """
@@ -40,10 +44,11 @@ import jinja2
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from leyline_agent.client import LeylineClient
+from leyline_agent.client import LeylineClient, auth_headers
 from leyline_agent.directive import DirectiveError
 from leyline_agent.policies import Policy, PolicyError, parse_policy
 from leyline_agent.proxy import metrics
+from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
 from leyline_agent.proxy.sessions import (
     SESSION_HEADER,
     ProxySession,
@@ -84,17 +89,22 @@ class LeylineProxy:
         max_sessions: int,
         connect_timeout: float,
         timeout: float,
+        backend_api_key: str | None = None,
     ) -> None:
         self.backend_url = backend_url.rstrip("/")
         limits = httpx.Timeout(timeout, connect=connect_timeout)
-        self.client = LeylineClient(self.backend_url, timeout=timeout)
+        self.client = LeylineClient(self.backend_url, timeout=timeout, api_key=backend_api_key)
         self.client.http.timeout = limits
-        self.http = httpx.AsyncClient(base_url=self.backend_url, timeout=limits)
+        self.http = httpx.AsyncClient(
+            base_url=self.backend_url, timeout=limits, headers=auth_headers(backend_api_key)
+        )
         renderer = load_renderer(model_path)
 
-        def new_core(session_id: str) -> SessionCore:
+        def new_core(session_id: str, namespace: str) -> SessionCore:
             wrapper = ConversationWrapper(renderer, policy)
-            return SessionCore(self.client, wrapper, session_id=session_id, splice=splice)
+            return SessionCore(
+                self.client, wrapper, session_id=session_id, namespace=namespace, splice=splice
+            )
 
         self.registry = SessionRegistry(new_core, max_sessions=max_sessions)
         self.recorder = TraceRecorder(record_dir) if record_dir is not None else None
@@ -135,7 +145,7 @@ class LeylineProxy:
             messages=messages,
         )
         if self.recorder is not None:
-            self.recorder.write(session.id, record.turn, messages, tools)
+            self.recorder.write(session.key, record.turn, messages, tools)
         if prompt != len(pending.plan.tokens) and not session.warned:
             session.warned = True
             log.warning(
@@ -157,15 +167,21 @@ class LeylineProxy:
             )
         tools = body.get("tools") or None
         user = body.get("user")
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            return error_response(400, "'cache_salt' must be a string", "invalid_request_error")
         session = self.registry.resolve(
             messages,
             header=request.headers.get(SESSION_HEADER),
             user=user if isinstance(user, str) and user else None,
+            tenant=tenant_of(request),
+            cache_salt=salt,
         )
         headers = {SESSION_HEADER: session.id}
         await session.lock.acquire()
         handed_over = False  # the streaming relay releases the lock when it ends
         try:
+            session.core.set_cache_salt(salt)  # one namespace (extra_key, cache_salt) per turn
             try:
                 view = chat_request_view(messages, tools, body.get("tool_choice"))
                 pending = await anyio.to_thread.run_sync(session.core.begin, *view)
@@ -253,21 +269,24 @@ class LeylineProxy:
         except httpx.HTTPError as e:
             return self._unreachable(e)
 
-    def sessions(self) -> dict[str, Any]:
+    def sessions(self, request: Request) -> dict[str, Any]:
+        tenant = tenant_of(request)  # a caller sees its own tenant only
         return {
             "backend": self.backend_url,
-            "sessions": [s.summary() for s in self.registry.sessions()],
-            "totals": self.registry.totals().as_dict(),
+            "tenant": tenant,
+            "sessions": [s.summary() for s in self.registry.sessions(tenant)],
+            "totals": self.registry.totals(tenant).as_dict(),
         }
 
-    def session(self, session_id: str) -> Response:
-        s = self.registry.get(session_id)
+    def session(self, request: Request, session_id: str) -> Response:
+        s = self.registry.get(session_id, tenant_of(request))
         if s is None:
             return error_response(404, f"no live session {session_id!r}", "not_found")
         return JSONResponse(s.detail())
 
-    def metrics(self) -> Response:
-        return Response(metrics.render(self.registry), media_type=metrics.CONTENT_TYPE)
+    def metrics(self, request: Request) -> Response:
+        text = metrics.render(self.registry, tenant=tenant_of(request))
+        return Response(text, media_type=metrics.CONTENT_TYPE)
 
 
 def create_app(
@@ -280,6 +299,8 @@ def create_app(
     max_sessions: int = 1024,
     connect_timeout: float = 5.0,
     timeout: float = 600.0,
+    api_keys: Sequence[str] | None = None,
+    backend_api_key: str | None = None,
 ) -> FastAPI:
     """The proxy app in front of ``backend_url`` (a ``leyline serve``, without ``/v1``).
 
@@ -290,11 +311,16 @@ def create_app(
         model_path: the model directory whose chat template the backend uses (None: embedded).
         max_sessions: live sessions kept (least recently used idle ones are dropped).
         connect_timeout, timeout: seconds to reach the backend, and for a whole request.
+        api_keys: client keys, ``KEY`` or ``KEY=TENANT`` (see ``proxy/auth.py``); None or empty:
+            no authentication, one tenant (``default``).
+        backend_api_key: the backend's own key (``leyline serve --api-key``), sent upstream.
 
     Raises:
         PolicyError: an unknown policy or bad policy parameters.
-        FileNotFoundError, ValueError: ``model_path`` has no tokenizer or chat template.
+        FileNotFoundError, ValueError: ``model_path`` has no tokenizer or chat template; an
+            empty API key or one key given for two tenants.
     """
+    keys = ApiKeys(api_keys or ())
     proxy = LeylineProxy(
         backend_url,
         parse_policy(policy),
@@ -304,6 +330,7 @@ def create_app(
         max_sessions=max_sessions,
         connect_timeout=connect_timeout,
         timeout=timeout,
+        backend_api_key=backend_api_key,
     )
 
     @asynccontextmanager
@@ -313,6 +340,7 @@ def create_app(
 
     app = FastAPI(title="Leyline proxy", lifespan=lifespan)
     app.state.proxy = proxy
+    app.add_middleware(AuthMiddleware, keys=keys)
     app.add_api_route("/v1/chat/completions", proxy.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
     app.add_api_route("/leyline/sessions", proxy.sessions, methods=["GET"])

@@ -52,16 +52,17 @@ def _modes(c: Counters, extra: str = "") -> list[tuple[str, float]]:
     ]
 
 
-def render(registry: SessionRegistry) -> str:
-    """The exposition text for every counter of the registry."""
-    totals = registry.totals()
-    live = [(s.id, Counters.of(s.core.records)) for s in registry.sessions()]
+def render(registry: SessionRegistry, tenant: str | None = None) -> str:
+    """The exposition text for every counter of the registry; sessions and totals of ``tenant``
+    only, when given (a caller sees its own tenant)."""
+    totals = registry.totals(tenant)
+    live = [(s.id, Counters.of(s.core.records)) for s in registry.sessions(tenant)]
     out = _family("leyline_proxy_sessions", "gauge", "Live sessions.", [("", len(live))])
     out += _family(
         "leyline_proxy_sessions_created_total",
         "counter",
         "Sessions created.",
-        [("", registry.created)],
+        [("", registry.created_in(tenant))],
     )
     for attr, suffix, help_ in _COUNTERS:
         out += _family(f"leyline_proxy_{suffix}", "counter", help_, [("", getattr(totals, attr))])

@@ -138,7 +138,8 @@ def replay_session(
     request with a 4xx status (a prompt longer than the context, ids out of range).
 
     Raises:
-        httpx.HTTPError: the backend failed a request otherwise (5xx, unreachable).
+        httpx.HTTPError: the backend failed a request otherwise (5xx, unreachable, 401/403: the
+            backend needs ``--backend-api-key``).
     """
     core = SessionCore(
         client,
@@ -152,8 +153,10 @@ def replay_session(
         try:
             record, _ = core.generate(messages, trace.tools)
         except (jinja2.TemplateError, PolicyError, httpx.HTTPStatusError) as e:
-            if isinstance(e, httpx.HTTPStatusError) and not e.response.is_client_error:
-                raise
+            if isinstance(e, httpx.HTTPStatusError) and (
+                not e.response.is_client_error or e.response.status_code in (401, 403)
+            ):
+                raise  # a server error, or a missing or wrong backend key: not the turn's fault
             core.wrapper.reset()
             reason, message = skip_reason(e)
             row = TurnRow(

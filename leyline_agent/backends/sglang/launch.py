@@ -32,8 +32,13 @@ def server_command(
     max_total_tokens: int | None,
     extra: list[str],
     cpu: bool,
+    api_key: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The ``python -m sglang.launch_server`` argv and the environment to run it with."""
+    """The ``python -m sglang.launch_server`` argv and the environment to run it with.
+
+    ``api_key``: SGLang's ``--api-key``: every route (the plugin's ``/leyline/*`` included) but
+    ``/health*``, ``/ready*`` and ``/metrics*`` then needs ``Authorization: Bearer <key>``.
+    """
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
@@ -50,6 +55,8 @@ def server_command(
         argv += ["--dtype", dtype]
     if max_total_tokens:
         argv += ["--max-total-tokens", str(max_total_tokens)]
+    if api_key:
+        argv += ["--api-key", api_key]
     env = dict(os.environ)
     if cpu:
         argv += [

@@ -4,7 +4,9 @@
 stopped here), a running ``leyline serve`` (``--backend``) or any OpenAI-compatible endpoint
 (``--llm-url``). ``probe_backend`` asks it whether it serves random weights (SGLang's
 ``/get_model_info``: ``load_format == "dummy"``) and whether it can splice (``/leyline/stats``).
-``ProxyServer`` serves ``leyline_agent.proxy.create_app`` on a loopback thread.
+``ProxyServer`` serves ``leyline_agent.proxy.create_app`` on a loopback thread. A backend that
+needs a key (``leyline serve --api-key``, a hosted endpoint) gets it on the probe and from the
+proxy on every forwarded request (``Backend.api_key``, never written to the results).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from leyline_agent.client import auth_headers
 from leyline_agent.evals.debug_gym.spec import EvalSpec
 from leyline_agent.server import free_port
 
@@ -30,13 +33,14 @@ class EvalError(RuntimeError):
 @dataclass
 class Backend:
     """What the proxy forwards to: ``url`` without ``/v1``; ``leyline``: it serves
-    ``/leyline/splice``; ``dummy``: it serves random weights."""
+    ``/leyline/splice``; ``dummy``: it serves random weights; ``api_key``: its key."""
 
     url: str
     model: str
     leyline: bool
     dummy: bool
     info: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = field(default=None, repr=False)
 
 
 def _base_url(url: str) -> str:
@@ -44,11 +48,22 @@ def _base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def probe_backend(url: str, model: str | None) -> Backend:
-    """Ask the backend what it is (SGLang's ``/get_model_info``, Leyline's ``/leyline/stats``)."""
+def probe_backend(url: str, model: str | None, api_key: str | None = None) -> Backend:
+    """Ask the backend what it is (SGLang's ``/get_model_info``, Leyline's ``/leyline/stats``).
+
+    Raises:
+        EvalError: the backend refuses the key (401/403), or needs one and got none.
+    """
     url = _base_url(url)
     info: dict[str, Any] = {"url": url}
-    with httpx.Client(base_url=url, timeout=10) as http:
+    with httpx.Client(base_url=url, timeout=10, headers=auth_headers(api_key)) as http:
+        try:
+            status = http.get("/v1/models").status_code
+        except httpx.HTTPError:
+            status = None
+        if status in (401, 403):
+            what = "refuses the key" if api_key else "needs a key (--backend-api-key)"
+            raise EvalError(f"{url} {what}: GET /v1/models answered {status}")
         try:
             r = http.get("/get_model_info")
             if r.status_code == 200:
@@ -66,14 +81,18 @@ def probe_backend(url: str, model: str | None) -> Backend:
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
                 model = "default"
     info["leyline"] = leyline
-    return Backend(url, model, leyline, info.get("load_format") == "dummy", info)
+    dummy = info.get("load_format") == "dummy"
+    return Backend(url, model, leyline, dummy, info, api_key=api_key)
 
 
 @contextmanager
-def open_backend(spec: EvalSpec, log: Callable[[str], None]) -> Iterator[Backend]:
-    """The backend of the run; the embedded ``leyline serve`` is started and stopped here."""
+def open_backend(
+    spec: EvalSpec, log: Callable[[str], None], api_key: str | None = None
+) -> Iterator[Backend]:
+    """The backend of the run; the embedded ``leyline serve`` is started and stopped here.
+    ``api_key``: the key of ``--backend`` / ``--llm-url`` (the embedded server needs none)."""
     if spec.llm_url or spec.backend:
-        yield probe_backend(spec.llm_url or spec.backend or "", spec.model)
+        yield probe_backend(spec.llm_url or spec.backend or "", spec.model, api_key)
         return
     from leyline_agent.server import EmbeddedServer
 
@@ -86,14 +105,24 @@ def open_backend(spec: EvalSpec, log: Callable[[str], None]) -> Iterator[Backend
 class ProxyServer:
     """``create_app(backend, policy, splice=...)`` served by uvicorn on a loopback thread."""
 
-    def __init__(self, backend: str, policy: str, *, splice: bool, model_path: str | None):
+    def __init__(
+        self,
+        backend: str,
+        policy: str,
+        *,
+        splice: bool,
+        model_path: str | None,
+        backend_api_key: str | None = None,
+    ):
         import uvicorn
 
         from leyline_agent.proxy import create_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = create_app(backend, policy, splice=splice, model_path=model_path)
+        app = create_app(
+            backend, policy, splice=splice, model_path=model_path, backend_api_key=backend_api_key
+        )
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="leyline-proxy", daemon=True)

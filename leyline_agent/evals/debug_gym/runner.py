@@ -182,7 +182,7 @@ def write_llm_config(ctx: ArmContext, proxy_url: str, path: Path) -> None:
     entry = {
         "model": ctx.backend.model,
         "endpoint": f"{proxy_url}/v1",
-        "api_key": "leyline",  # the proxy sends no key upstream; never write a real one here
+        "api_key": "leyline",  # the proxy needs none; the backend's key stays in the proxy
         "tokenizer": str(ctx.tokenizer_dir),
         "tags": ["vllm"],  # a local Hugging Face tokenizer: token counting works offline
         "context_limit": ctx.spec.context_limit_k,
@@ -199,7 +199,11 @@ def run_arm(ctx: ArmContext, arm: Arm, on_event: Callable[[Event], None]) -> lis
     out.mkdir(parents=True, exist_ok=True)
     sessions = {t: f"dg-{ctx.run_id}-{arm}-{t}" for t in spec.tasks}
     with ProxyServer(
-        ctx.backend.url, switch.policy, splice=switch.splice, model_path=spec.model_path
+        ctx.backend.url,
+        switch.policy,
+        splice=switch.splice,
+        model_path=spec.model_path,
+        backend_api_key=ctx.backend.api_key,
     ) as proxy:
         write_llm_config(ctx, proxy.url, out / "llm.yaml")
         doc = {
@@ -272,8 +276,11 @@ def run_eval(
     *,
     on_event: Callable[[Event], None] = lambda e: None,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+    backend_api_key: str | None = None,
 ) -> EvalRun:
-    """The whole evaluation (see the module docstring).
+    """The whole evaluation (see the module docstring). ``backend_api_key``: the key of
+    ``spec.backend`` / ``spec.llm_url``, forwarded by the proxies (not part of the spec, so it is
+    never written to ``results.json``).
 
     Raises:
         EvalError, VenvError: the venv, the backend, the data or a driver failed as a whole.
@@ -285,7 +292,7 @@ def run_eval(
     venv = ensure_venv(Path(spec.venv) if spec.venv else None, log=log)
     data = prepare_data(spec, venv)
     data_dir = Path(data["data_dir"])
-    with open_backend(spec, log) as backend:
+    with open_backend(spec, log, backend_api_key) as backend:
         constrained = backend.dummy if spec.constrain is None else spec.constrain
         tools = tools_for(spec, constrained)
         grammars = None
