@@ -11,7 +11,7 @@ import typer
 
 from leyline_agent.replay import ARMS, DEFAULT_POLICY
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
 @app.callback()

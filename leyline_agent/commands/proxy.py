@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
 @app.command("proxy")

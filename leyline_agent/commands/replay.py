@@ -15,7 +15,7 @@ from leyline_agent.replay import ARMS, DEFAULT_POLICY
 if TYPE_CHECKING:
     from leyline_agent.client import LeylineClient
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
 def _csv(text: str) -> list[str]:

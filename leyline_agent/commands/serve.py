@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 # NOTE: two embedded-model contexts (131,072 tokens each, model.py); an MLA row of the embedded
 # model is (64 + 16) x 2 bytes x 2 layers = 320 bytes, so the pool is about 80 MiB.

@@ -67,5 +67,9 @@ def server_command(
         ]  # fmt: skip
         env["LEYLINE_CPU_DEV"] = "1"
         env.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+        # One intra-op thread: the embedded model's ops are small, and with more OpenMP threads
+        # than idle cores every op waits on spinning peers (measured: a 4k-row δ-rotation took
+        # 200 ms with 2 threads on a loaded 2-core host, 2 ms with 1). Override with the env var.
+        env.setdefault("OMP_NUM_THREADS", "1")
     argv += extra
     return argv, env
