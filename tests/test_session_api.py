@@ -71,6 +71,7 @@ def test_request_view_is_what_sglang_templates() -> None:
                 {"id": "c", "type": "function", "function": {"name": "x", "arguments": '{"a":1}'}}
             ],
         },
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},  # not last: stays an assistant
     ]
     view_messages, view_tools = chat_request_view(messages, tools)
     served = [protocol.Tool.model_validate(t).model_dump() for t in tools]

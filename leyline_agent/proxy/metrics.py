@@ -2,13 +2,17 @@
 
 Families ``leyline_proxy_*`` count every session served (dropped ones included);
 ``leyline_proxy_session_*{session="<id>"}`` count each live session. Times are in seconds.
+``leyline_proxy_render_mismatches_total`` / ``leyline_proxy_resyncs_total``: turns whose backend
+prompt tokens differed from the rendered ones / after which the session adopted the backend's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from leyline_agent.proxy.sessions import Counters, SessionRegistry
+from leyline_agent.session import TurnRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,6 +33,29 @@ _SUMMARIES: tuple[tuple[str, str, str], ...] = (
     ("splice_ms", "splice_seconds", "Time spent in /leyline/splice calls."),
     ("request_ms", "request_seconds", "Time spent in forwarded chat-completion requests."),
 )
+
+
+@dataclass
+class ParityCounters:
+    """Render parity with the backend, over every turn the proxy answered."""
+
+    render_mismatches: int = 0
+    resyncs: int = 0
+    failed_turns: int = 0  # recorded turns whose request failed after the cache changed
+
+    def add(self, r: TurnRecord) -> None:
+        self.render_mismatches += r.render_mismatch
+        self.resyncs += r.resynced
+        self.failed_turns += r.error is not None
+
+
+_PARITY: tuple[tuple[str, str, str], ...] = (
+    ("render_mismatches", "render_mismatches_total", "Turns whose backend prompt tokens differed "
+     "from the rendered ones."),
+    ("resyncs", "resyncs_total", "Turns after which the session adopted the backend's tokens."),
+    ("failed_turns", "failed_turns_total", "Turns recorded after their request failed or was "
+     "cut off (the cache had changed)."),
+)  # fmt: skip
 
 
 def _label(value: str) -> str:
@@ -52,10 +79,13 @@ def _modes(c: Counters, extra: str = "") -> list[tuple[str, float]]:
     ]
 
 
-def render(registry: SessionRegistry, tenant: str | None = None) -> str:
-    """The exposition text for every counter of the registry; sessions and totals of ``tenant``
-    only, when given (a caller sees its own tenant)."""
+def render(
+    registry: SessionRegistry, parity: ParityCounters | None = None, tenant: str | None = None
+) -> str:
+    """The exposition text for every counter of the registry (and the parity counters);
+    sessions and totals of ``tenant`` only, when given (a caller sees its own tenant)."""
     totals = registry.totals(tenant)
+    parity = parity or ParityCounters()
     live = [(s.id, Counters.of(s.core.records)) for s in registry.sessions(tenant)]
     out = _family("leyline_proxy_sessions", "gauge", "Live sessions.", [("", len(live))])
     out += _family(
@@ -66,6 +96,8 @@ def render(registry: SessionRegistry, tenant: str | None = None) -> str:
     )
     for attr, suffix, help_ in _COUNTERS:
         out += _family(f"leyline_proxy_{suffix}", "counter", help_, [("", getattr(totals, attr))])
+    for attr, suffix, help_ in _PARITY:
+        out += _family(f"leyline_proxy_{suffix}", "counter", help_, [("", getattr(parity, attr))])
     out += _family(
         "leyline_proxy_directives_total", "counter", "Directives sent, by mode.", _modes(totals)
     )
