@@ -170,3 +170,68 @@ def test_debug_gym_end_to_end(leyline_server: str, tmp_path: Path) -> None:
     assert doc["arms"]["splice"]["spliced_turns"] >= 1
     assert doc["arms"]["splice"]["splice_misses"] == 0
     assert arms["splice"]["edited_prefilled_tokens"] < arms["reprefill"]["edited_prefilled_tokens"]
+
+
+def tomorrow_date_fix(task_dir: Path) -> str:
+    """mini_nightmare's tomorrow_date with its known fix: ``date_plus_one`` adds a day."""
+    src = (task_dir / "tomorrow_date_code.py").read_text()
+    start, end = src.index("    def date_plus_one"), src.index("    def tomorrow")
+    fixed = "    def date_plus_one(self, today):\n        return today + timedelta(days=1)\n\n"
+    src = src[:start] + fixed + src[end:]
+    return src.replace(
+        "from datetime import datetime\n", "from datetime import datetime, timedelta\n"
+    )
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(3600)
+def test_debug_gym_reports_resolved_with_a_scripted_fix(
+    leyline_server: str, tmp_path: Path
+) -> None:
+    """The harness can report success: ``ScriptedFixLLM`` (a test double, not a model) sits
+    between each arm's proxy and the real server and answers froggy with view, edit (the known
+    fix of tomorrow_date), eval, submit. Everything else is real: debug-gym 1.3.0, the proxy,
+    the policy (the 4th call holds 3 steps, so stale_tool_outputs:keep_last=2 stubs the first
+    output), the splices and the engine."""
+    from scripted_llm import ScriptedFixLLM
+
+    from leyline_agent.evals.debug_gym.runner import run_eval
+
+    data = Path(_data_dir() or pytest.skip("mini_nightmare data not found"))
+    script = [
+        ("view", {"path": "test.py"}),
+        ("view", {"path": "tomorrow_date_code.py"}),
+        (
+            "edit",
+            {
+                "path": "tomorrow_date_code.py",
+                "new_code": tomorrow_date_fix(data / "tomorrow_date"),
+            },
+        ),
+        ("eval", {}),
+        ("submit", {}),
+    ]
+    spec = EvalSpec(
+        tasks=["tomorrow_date"],
+        max_steps=6,
+        constrain=False,
+        tools=["view", "edit", "eval", "submit"],
+        data_dir=str(data),
+        out=str(tmp_path / "out"),
+        max_tokens=8,
+    )
+    with ScriptedFixLLM(leyline_server, script) as llm:
+        spec.backend = llm.url
+        run = run_eval(spec)
+    calls = len(script) - 1  # up to the resolving eval
+    assert llm.calls == 3 * calls
+    assert {r.arm for r in run.results} == {"none", "reprefill", "splice"} and not run.skipped_arms
+    for r in run.results:
+        assert r.error is None, r
+        assert r.resolved, r
+        assert r.steps == r.turns == calls and r.tool_calls == calls, r  # all through the proxy
+        assert r.patch_lines > 0, r
+    by_arm = {r.arm: r for r in run.results}
+    assert by_arm["none"].policy_edited_turns == 0
+    assert by_arm["reprefill"].policy_edited_turns == by_arm["splice"].policy_edited_turns == 1
+    assert by_arm["splice"].spliced_turns >= 1 and by_arm["splice"].splice_misses == 0
