@@ -93,7 +93,9 @@ def test_an_anonymous_agent_with_a_moving_cache_marker_keeps_its_cache(
         http = httpx.Client(base_url=proxy, timeout=120)
         result = {}
         for moving in (True, False):
-            system = f"You are SWE-agent ({new_id('run')}, moving={moving})."
+            # the same token count in both runs (' A' and ' B' are one token each); each proxy
+            # gets fresh anonymous session ids, so nothing is shared with earlier runs
+            system = f"You are SWE-agent (run {'A' if moving else 'B'})."
             rows = []
             for messages in _swe_agent(system, 4, moving):
                 body = {"model": "default", "messages": messages, "max_tokens": 1}
