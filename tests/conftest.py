@@ -7,15 +7,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from requires import require_sglang
 
 
 @pytest.fixture(scope="session")
 def leyline_server() -> Iterator[str]:
     """Base URL of a running ``leyline serve``. Needs the sglang extra (CI installs it)."""
-    if os.environ.get("CI"):
-        import sglang  # noqa: F401  (in CI a missing extra is a failure, not a skip)
-    else:
-        pytest.importorskip("sglang", reason="the sglang extra is not installed")
+    require_sglang()
     from leyline_agent.server import EmbeddedServer
 
     url = os.environ.get("LEYLINE_TEST_SERVER")

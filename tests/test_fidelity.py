@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from requires import require_sglang
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -43,10 +43,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    if os.environ.get("CI"):
-        import sglang  # noqa: F401  (in CI a missing extra is a failure, not a skip)
-    else:
-        pytest.importorskip("sglang", reason="the sglang extra is not installed")
+    require_sglang()
     import torch
 
     torch.set_num_threads(1)

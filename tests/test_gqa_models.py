@@ -11,7 +11,6 @@ splice cannot edit (fp8) is refused with 501 before anything is allocated.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from live import assert_integrity, gen, ns, rows, seq, splice, stats
+from requires import require_sglang
 
 from leyline_agent.kernels.rope import RopeSpec, inv_freq
 from leyline_agent.testing import model_check
@@ -28,10 +28,7 @@ pytestmark = pytest.mark.sglang
 
 
 def serve(model_dir: Path, *extra: str) -> Iterator[httpx.Client]:
-    if os.environ.get("CI"):
-        import sglang  # noqa: F401
-    else:
-        pytest.importorskip("sglang", reason="the sglang extra is not installed")
+    require_sglang()
     from leyline_agent.server import EmbeddedServer
 
     with (

@@ -5,7 +5,6 @@ client and raw httpx streaming."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from live import assert_integrity, stats
+from requires import require_sglang
 from test_proxy import serve_proxy
 
 from leyline_agent.server import EmbeddedServer
@@ -25,10 +25,7 @@ POLICY = "stale_tool_outputs:keep_last=2"
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[EmbeddedServer]:
-    if os.environ.get("CI"):
-        import sglang  # noqa: F401
-    else:
-        pytest.importorskip("sglang", reason="the sglang extra is not installed")
+    require_sglang()
     with EmbeddedServer(max_total_tokens=2048, env={"LEYLINE_DEBUG_ENDPOINTS": "1"}) as srv:
         yield srv
 

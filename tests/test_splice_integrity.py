@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from live import apply, assert_integrity, gen, ns, rows, seq, splice, stats
+from requires import require_sglang
 
 from leyline_agent.backends.sglang.model import EMBEDDED_CONFIG
 from leyline_agent.directive import Directive
@@ -26,10 +27,7 @@ SPEC = RopeSpec.from_hf_config(EMBEDDED_CONFIG)
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[str]:
-    if os.environ.get("CI"):
-        import sglang  # noqa: F401
-    else:
-        pytest.importorskip("sglang", reason="the sglang extra is not installed")
+    require_sglang()
     from leyline_agent.server import EmbeddedServer
 
     url = os.environ.get("LEYLINE_TEST_SMALL_SERVER")  # a 1024-token server started by hand
