@@ -8,9 +8,9 @@ import uuid
 from typing import Any
 
 import httpx
-import torch
 
 from leyline_agent.directive import Directive, apply_directives
+from leyline_agent.testing.numerics import bf16_ulp  # noqa: F401  (re-exported for tests)
 
 VOCAB = 200064
 
@@ -64,12 +64,6 @@ def tree_slots(c: httpx.Client) -> set[int]:
     r = c.post("/leyline/debug/inspect", json={"op": "tree_slots"})
     r.raise_for_status()
     return set(r.json()["slots"])
-
-
-def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """One bf16 ulp at |x| (8 significant bits)."""
-    e = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
-    return torch.exp2(e - 7)
 
 
 def apply(tokens: list[int], ds: list[dict[str, Any]]) -> list[int]:

@@ -48,6 +48,7 @@ import torch
 from experiments.fidelity.bench import _generate, kl
 from leyline_agent.directive import Directive, apply_directives
 from leyline_agent.kernels.rope import RopeSpec, rotate
+from leyline_agent.testing.numerics import bf16_ulp
 
 VOCAB = 2048
 
@@ -242,10 +243,6 @@ def hf_config(arch: Arch, *, moe: bool, plain_rope_as_yarn: bool = False) -> dic
     return cfg
 
 
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
-
-
 def _rows(http: httpx.Client, tokens: list[int], key: str) -> dict[str, Any]:
     r = http.post("/leyline/debug/inspect", json={"op": "rows", "tokens": tokens, "extra_key": key})
     r.raise_for_status()
@@ -292,7 +289,7 @@ def check_splices(url: str, cfg: dict[str, Any], seed: int = 0) -> dict[str, Any
                         f"KV row has a {old_pe.shape[-1]}-wide rope band, not {rope_dim}"
                     )
                 exact = rotate(old_pe, torch.full((old_pe.shape[0],), delta), spec)
-                ulps = ((new_pe - exact).abs() / _bf16_ulp(exact)).max().item()
+                ulps = ((new_pe - exact).abs() / bf16_ulp(exact)).max().item()
                 out["rope_max_ulp"] = max(out["rope_max_ulp"], ulps)
             gen = _generate(http, [new, new, new], [ka, kf, k0], VOCAB)
             out["cached"] &= gen[0][1] == len(new) - 1 and gen[1][1] == len(new) - 1

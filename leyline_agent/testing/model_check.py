@@ -25,6 +25,7 @@ import torch
 
 from leyline_agent.directive import Directive
 from leyline_agent.kernels.rope import RopeSpec, rotate
+from leyline_agent.testing.numerics import bf16_ulp
 from leyline_agent.testing.splice_fuzz import idle_invariants_hold, idle_stats
 
 _BASE = {
@@ -169,10 +170,6 @@ def _apply(tokens: list[int], ds: list[dict[str, Any]]) -> list[int]:
     return apply_directives(tokens, [Directive.model_validate(d) for d in ds])
 
 
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
-
-
 def _heads(t: list[Any]) -> torch.Tensor:
     x = torch.tensor(t)
     return x[:, None, :] if x.dim() == 2 else x  # MLA rows [n, width] -> [n, 1, width]
@@ -238,8 +235,8 @@ def check_amortize(c: httpx.Client, n: int = 96, seed: int = 1) -> dict[str, Any
             exact = rotate(ov[o][..., off : off + dim], torch.full((len(o),), delta), spec)
             got = nv[j][..., off : off + dim]
             err = (got - exact).abs()
-            ulps = err / _bf16_ulp(exact)
-            if not bool((err <= _bf16_ulp(exact) + 1e-30).all()):
+            ulps = err / bf16_ulp(exact)
+            if not bool((err <= bf16_ulp(exact) + 1e-30).all()):
                 raise AssertionError(
                     f"layer {layer}: rope band {float(ulps.max()):.2f} bf16 ulps from the exact "
                     f"rotation (delta {delta})"

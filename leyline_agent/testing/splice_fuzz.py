@@ -25,6 +25,7 @@ import torch
 
 from leyline_agent.directive import Directive, Mode, apply_directives
 from leyline_agent.kernels.rope import RopeSpec, rotate
+from leyline_agent.testing.numerics import bf16_ulp
 
 
 class InvariantBroken(AssertionError):
@@ -71,10 +72,6 @@ def idle_stats(http: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:
         time.sleep(0.05)
 
 
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
-
-
 def check_rows(
     before: dict[str, Any], after: dict[str, Any], ds: list[Directive], lora: int, spec: RopeSpec
 ) -> int:
@@ -113,7 +110,7 @@ def check_rows(
         nv = torch.tensor(after["values"][layer], dtype=torch.float64)[ni, lora:]
         exact = rotate(ov, dl, spec)
         err = (nv - exact).abs()
-        ok = err <= _bf16_ulp(exact) + 1e-30
+        ok = err <= bf16_ulp(exact) + 1e-30
         if not bool(ok.all()):
             bad = int((~ok).any(1).nonzero()[0])
             raise AssertionError(
