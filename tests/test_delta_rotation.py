@@ -16,6 +16,7 @@ Tolerances are stated relative to the band's largest magnitude M and the storage
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -23,8 +24,11 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from leyline_agent.kernels.delta_rotation import delta_rotate, delta_rotate_torch
+from leyline_agent.kernels.delta_rotation import Rotation, check_inputs, delta_rotate
 from leyline_agent.kernels.rope import RopeBand, RopeSpec, mla_band, mscale, rotate
+
+# The torch reference (`delta_rotation_ref`) behind the public checks.
+delta_rotate_torch = functools.partial(delta_rotate, impl="torch")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
@@ -112,13 +116,29 @@ def triton_rotate(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     """The Triton kernel on CPU tensors: through the interpreter (scoped TRITON_INTERPRET=1)
     without a GPU; with one, inputs go to CUDA and the buffers come back.
 
-    Same arguments as `delta_rotate_triton`, plus ``programs`` (grid target, see `_launch`).
+    Same arguments as `delta_rotate`'s first seven, checked by `check_inputs`, plus ``programs``
+    (grid target, see `delta_rotate_triton`).
     """
     pytest.importorskip("triton")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # read at import (jit) and at launch
-    from leyline_agent.kernels.delta_rotation_triton import _launch
+    from leyline_agent.kernels.delta_rotation_triton import delta_rotate_triton
+
+    def _launch(
+        buffers: list[torch.Tensor],
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        old_pos: torch.Tensor,
+        new_pos: torch.Tensor,
+        spec: RopeSpec,
+        band: RopeBand,
+        *,
+        programs: int,
+    ) -> None:
+        rot = Rotation(src, dst, old_pos, new_pos)
+        copies = check_inputs(buffers, rot, spec, band)
+        delta_rotate_triton(buffers, rot, spec, band, copies=copies, programs=programs)
 
     def run(buffers: list[torch.Tensor], *args: object, programs: int = 1024) -> None:
         if not on_gpu:

@@ -5,8 +5,8 @@ Table 1 (drift): K keys with a DeepSeek-V2-Lite rope band (d=64, deepseek_yarn f
 1000 times: each splice is a δ-rotation by a random Δ (positions kept in [0, 163840)). After
 1, 10, 100 and 1000 splices the relative L2 error of the band, ||got - want|| / ||want|| over all
 keys, is taken against the exact fp64 rotation of the original key to its final position.
-"fp32 math" is `delta_rotate_torch` (the shipped reference); "storage math" does the same
-rotation with cos/sin and products in the storage dtype.
+"fp32 math" is the shipped torch reference (`delta_rotation_ref`, called through `delta_rotate`);
+"storage math" does the same rotation with cos/sin and products in the storage dtype.
 
 Table 2 (angles): one δ-rotation in fp32 storage, three ways of forming the angle, the numbers
 quoted in `leyline_agent.kernels.delta_rotation`.
@@ -25,7 +25,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from leyline_agent.kernels.delta_rotation import delta_rotate_torch, unit_cos_sin
+from leyline_agent.kernels.delta_rotation import delta_rotate
+from leyline_agent.kernels.delta_rotation_ref import unit_cos_sin
 from leyline_agent.kernels.rope import RopeBand, RopeSpec, apply_rotation, inv_freq, mscale, rotate
 
 MAX_POS = 163_840
@@ -72,7 +73,7 @@ def drift(keys: int, steps: int, max_delta: int, seed: int) -> list[dict]:
             for step in range(1, steps + 1):
                 new = (pos + deltas[step - 1]).clamp(0, MAX_POS - 1)
                 if math_name == "fp32":
-                    delta_rotate_torch([buf], slots, slots, pos, new, spec, band)
+                    delta_rotate([buf], slots, slots, pos, new, spec, band, impl="torch")
                 else:
                     storage_math_rotate(buf, new - pos, spec)
                 pos = new
@@ -100,7 +101,7 @@ def angle_forms(keys: int, seed: int) -> list[dict]:
             "abs_fp32": new.float()[:, None] * theta32 - old.float()[:, None] * theta32,
             "delta_fp32": (new - old).float()[:, None] * theta32,
         }
-        row = {"old": [lo, hi], "delta": [dlo, dhi]}
+        row: dict[str, object] = {"old": [lo, hi], "delta": [dlo, dhi]}
         for name, angle in forms.items():
             got = apply_rotation(stored, angle.cos(), angle.sin(), spec.pairing)
             row[name] = _err_stats(got, want)

@@ -1,4 +1,5 @@
-"""Kernels: RoPE math (`rope`) and the δ-rotation of cached keys (`delta_rotation`).
+"""Kernels: RoPE math (`rope`) and the δ-rotation of cached keys (`delta_rotation`: contract,
+checks and dispatch; `delta_rotation_ref`: the torch reference; `delta_rotation_triton`).
 
 Importing this package imports neither torch nor triton; names load on first use.
 """
@@ -17,9 +18,10 @@ _EXPORTS = {
     "rope_band": "rope",
     "rotate": "rope",
     "check_uniform_rope": "rope",
+    "Rotation": "delta_rotation_ref",
     "delta_rotate": "delta_rotation",
-    "delta_rotate_torch": "delta_rotation",
-    "delta_rotate_triton": "delta_rotation",
+    "delta_rotate_torch": "delta_rotation_ref",
+    "delta_rotate_triton": "delta_rotation_triton",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -35,14 +35,16 @@ bf16), rounded once to the storage dtype.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from leyline_agent.kernels.rope import RopeBand, RopeSpec, apply_rotation, inv_freq
+from leyline_agent.kernels.delta_rotation_ref import Rotation, delta_rotate_torch
+from leyline_agent.kernels.rope import RopeBand, RopeSpec
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["Impl", "Rotation", "check_copy_buffers", "check_inputs", "delta_rotate"]
 
 Impl = Literal["auto", "torch", "triton"]
 
@@ -69,7 +71,8 @@ def delta_rotate(
         old_pos, new_pos: int64 ``[N]`` absolute positions, ``>= 0``.
         spec, band: the model's rotation and where its band sits in a row (``band.dim ==
             spec.rotary_dim``).
-        impl: "auto" (Triton on CUDA, torch otherwise), "torch" or "triton".
+        impl: "auto" (Triton on CUDA, torch otherwise), "torch" (`delta_rotation_ref`) or
+            "triton" (`delta_rotation_triton`).
         copy_buffers: per-layer caches whose rows travel with the rotated rows but are never
             rotated (an MHA pool's ``v_buffer``): row ``src[i]`` is copied to ``dst[i]`` bit for
             bit where they differ. Any shape ``[num_slots, ...]`` and dtype, on the same device.
@@ -81,14 +84,15 @@ def delta_rotate(
     if impl == "auto":
         first = buffers[0] if isinstance(buffers, Sequence) and len(buffers) else None
         impl = "triton" if getattr(first, "is_cuda", False) else "torch"
-    if impl == "torch":
-        delta_rotate_torch(buffers, src, dst, old_pos, new_pos, spec, band)
-    elif impl == "triton":
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    rot = Rotation(src, dst, old_pos, new_pos)
+    if impl == "triton":
         from leyline_agent.kernels.delta_rotation_triton import delta_rotate_triton
 
-        delta_rotate_triton(buffers, src, dst, old_pos, new_pos, spec, band)
+        delta_rotate_triton(buffers, rot, spec, band, copies=check_inputs(buffers, rot, spec, band))
     else:
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+        delta_rotate_torch(buffers, rot, spec, band, copies=check_inputs(buffers, rot, spec, band))
     if copy_buffers and src.numel():
         moved = src != dst
         s, d = src[moved], dst[moved]
@@ -119,68 +123,11 @@ def check_copy_buffers(
             )
 
 
-def __getattr__(name: str) -> Any:
-    # delta_rotate_triton lives in its own module so that importing this one needs no triton.
-    if name == "delta_rotate_triton":
-        from leyline_agent.kernels.delta_rotation_triton import delta_rotate_triton
-
-        return delta_rotate_triton
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def delta_rotate_torch(
-    buffers: Sequence[torch.Tensor],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    old_pos: torch.Tensor,
-    new_pos: torch.Tensor,
-    spec: RopeSpec,
-    band: RopeBand,
-) -> None:
-    """Pure-torch reference of `delta_rotate` (fp32 math); the oracle for the Triton kernel."""
-    copies = check_inputs(buffers, src, dst, old_pos, new_pos, spec, band)
-    if src.numel() == 0:
-        return
-    cos, sin = unit_cos_sin(new_pos - old_pos, spec)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    moved = src != dst
-    for buf in buffers:
-        rope = buf[..., band.offset : band.offset + band.dim]
-        x = rope.index_select(0, src).float()  # gathered before any write
-        out = apply_rotation(x, cos, sin, spec.pairing).to(buf.dtype)
-        if copies:
-            buf.index_copy_(0, dst[moved], buf.index_select(0, src[moved]))
-        rope.index_copy_(0, dst, out)
-
-
-def unit_cos_sin(delta: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin ``[N, rotary_dim // 2]`` of ``delta · inv_freq``.
-
-    The angle is formed in turns in fp64 and reduced to ``[-1/2, 1/2]`` turn before fp32:
-    ``φ = 2π · frac(delta · inv_freq / 2π)`` (the Triton kernel does the same arithmetic).
-    Computed once per distinct delta (a splice shifts a whole suffix by one Δ).
-    """
-    import torch
-
-    distinct, index = torch.unique(delta, return_inverse=True)
-    turns = distinct.to(torch.float64)[:, None] * (
-        inv_freq(spec, device=delta.device) / (2 * math.pi)
-    )
-    phi = (turns - torch.floor(turns + 0.5)).float() * (2 * math.pi)
-    return phi.cos()[index], phi.sin()[index]
-
-
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
 def check_inputs(
-    buffers: Sequence[torch.Tensor],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    old_pos: torch.Tensor,
-    new_pos: torch.Tensor,
-    spec: RopeSpec,
-    band: RopeBand,
+    buffers: Sequence[torch.Tensor], rot: Rotation, spec: RopeSpec, band: RopeBand
 ) -> bool:
     """Validate `delta_rotate` arguments; return whether any row is copied (``src != dst``).
 
@@ -188,6 +135,7 @@ def check_inputs(
     """
     import torch
 
+    src, dst, old_pos, new_pos = rot
     if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence) or not buffers:
         raise TypeError("buffers must be a non-empty sequence of per-layer tensors")
     first = buffers[0]

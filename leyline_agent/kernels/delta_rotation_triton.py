@@ -1,6 +1,7 @@
 """Triton δ-rotation kernel (`delta_rotate_triton`); contract and angle choice in `delta_rotation`.
 
-On CPU it runs only under ``TRITON_INTERPRET=1`` set before this module is imported.
+Takes arguments already validated by `delta_rotation.check_inputs` (and imports nothing from that
+module). On CPU it runs only under ``TRITON_INTERPRET=1`` set before this module is imported.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from leyline_agent.kernels.delta_rotation import check_inputs
+from leyline_agent.kernels.delta_rotation_ref import Rotation
 from leyline_agent.kernels.rope import RopeBand, RopeSpec, inv_freq
 
 # Tensors (all int64 element offsets; buffers contiguous, shared shape/dtype):
@@ -108,30 +109,17 @@ _TL_DTYPES = {
 
 def delta_rotate_triton(
     buffers: Sequence[torch.Tensor],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    old_pos: torch.Tensor,
-    new_pos: torch.Tensor,
-    spec: RopeSpec,
-    band: RopeBand,
-) -> None:
-    """Triton implementation of `delta_rotation.delta_rotate` (same contract, one launch)."""
-    _launch(buffers, src, dst, old_pos, new_pos, spec, band, programs=1024)
-
-
-def _launch(
-    buffers: Sequence[torch.Tensor],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    old_pos: torch.Tensor,
-    new_pos: torch.Tensor,
+    rot: Rotation,
     spec: RopeSpec,
     band: RopeBand,
     *,
-    programs: int,
+    copies: bool,
+    programs: int = 1024,
 ) -> None:
-    """Validate and launch; ``programs`` is the grid size aimed at when splitting layers."""
-    copies = check_inputs(buffers, src, dst, old_pos, new_pos, spec, band)
+    """`delta_rotation.delta_rotate` in one launch on validated arguments; ``copies``: some
+    ``src != dst`` (what `check_inputs` returns). ``programs`` is the grid size aimed at when
+    splitting layers into groups."""
+    src, dst, old_pos, new_pos = rot
     device = buffers[0].device
     interpreted = not isinstance(_delta_rotate_kernel, triton.runtime.JITFunction)
     if device.type == "cpu" and not (interpreted and triton.knobs.runtime.interpret):

@@ -311,7 +311,7 @@ def inv_freq(
     elif spec.scaling == "linear":
         freq = base_freq / spec.factor
     elif spec.scaling == "llama3":
-        old_len = float(spec.original_max_position_embeddings)
+        old_len = _original_len(spec)
         wavelen = 2 * math.pi / base_freq
         scaled = torch.where(
             wavelen > old_len / spec.low_freq_factor, base_freq / spec.factor, base_freq
@@ -334,9 +334,16 @@ def inv_freq(
     return freq.to(dtype=dtype or torch.float64, device=device)
 
 
+def _original_len(spec: RopeSpec) -> float:
+    # NOTE: __post_init__ requires it for llama3/yarn/deepseek_yarn, the only scalings that ask.
+    if spec.original_max_position_embeddings is None:
+        raise ValueError(f"{spec.scaling} scaling needs original_max_position_embeddings")
+    return float(spec.original_max_position_embeddings)
+
+
 def _yarn_correction_range(spec: RopeSpec) -> tuple[float, float]:
     def dim_for(rotations: float) -> float:
-        orig = float(spec.original_max_position_embeddings)
+        orig = _original_len(spec)
         return (spec.rotary_dim * math.log(orig / (rotations * 2 * math.pi))) / (
             2 * math.log(spec.base)
         )
