@@ -54,8 +54,8 @@ def rows(c: httpx.Client, tokens: list[int], key: str | None) -> dict[str, Any]:
 
 
 def stats(c: httpx.Client) -> dict[str, Any]:
-    """Integrity counters once the server is idle (see ``splice_fuzz.idle_stats``)."""
-    from leyline_agent.testing.splice_fuzz import idle_stats
+    """Integrity counters once the server is idle (see ``invariants.idle_stats``)."""
+    from leyline_agent.testing.invariants import idle_stats
 
     return idle_stats(c)
 

@@ -22,7 +22,7 @@ from requires import require_sglang
 
 from leyline_agent.kernels.rope import RopeSpec, inv_freq
 from leyline_agent.testing import model_check
-from leyline_agent.testing.model_check import EXPECTED_ROPE, FAMILIES
+from leyline_agent.testing.tiny_models import EXPECTED_ROPE, FAMILIES, write_tiny_model
 
 pytestmark = pytest.mark.sglang
 
@@ -45,7 +45,7 @@ def serve(model_dir: Path, *extra: str) -> Iterator[httpx.Client]:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_splices_are_exact(family: str, tmp_path: Path) -> None:
-    model_dir = model_check.write_tiny_model(tmp_path / family, family)
+    model_dir = write_tiny_model(tmp_path / family, family)
     cfg = json.loads((model_dir / "config.json").read_text())
     for c in serve(model_dir):
         amortize = model_check.check_amortize(c)
@@ -71,7 +71,7 @@ def test_family_splices_are_exact(family: str, tmp_path: Path) -> None:
 
 
 def test_fp8_kv_cache_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:
-    model_dir = model_check.write_tiny_model(tmp_path / "qwen3", "qwen3")
+    model_dir = write_tiny_model(tmp_path / "qwen3", "qwen3")
     for c in serve(model_dir, "--kv-cache-dtype", "fp8_e4m3"):
         key = ns()
         toks = seq(200, 40)

@@ -17,7 +17,8 @@ from requires import require_sglang
 from leyline_agent.backends.sglang.model import EMBEDDED_CONFIG
 from leyline_agent.directive import Directive
 from leyline_agent.kernels.rope import RopeSpec
-from leyline_agent.testing.splice_fuzz import SpliceFuzzer, check_rows
+from leyline_agent.testing.invariants import check_rows
+from leyline_agent.testing.splice_fuzz import SpliceFuzzer
 
 pytestmark = pytest.mark.sglang
 
@@ -181,7 +182,7 @@ def test_gqa_model_splices_and_nothing_leaks(tmp_path) -> None:
     survives its idle memory check. (Refusals of pools a splice cannot edit: test_gqa_models.)"""
     pytest.importorskip("sglang")
     from leyline_agent.server import EmbeddedServer
-    from leyline_agent.testing.model_check import write_tiny_model
+    from leyline_agent.testing.tiny_models import write_tiny_model
 
     d = write_tiny_model(tmp_path / "qwen3", "qwen3")
     with (

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from leyline_agent.testing.model_check import FAMILIES, run_all, write_tiny_model
+from leyline_agent.testing.model_check import run_all
+from leyline_agent.testing.tiny_models import FAMILIES, write_tiny_model
 
 
 def main() -> int:

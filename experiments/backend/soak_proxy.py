@@ -21,8 +21,8 @@ import uvicorn
 
 from leyline_agent.proxy import create_app
 from leyline_agent.server import EmbeddedServer, free_port
+from leyline_agent.testing.invariants import idle_invariants_hold, idle_stats
 from leyline_agent.testing.soak import run_soak
-from leyline_agent.testing.splice_fuzz import idle_invariants_hold, idle_stats
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""Splice mechanics on any served model: tiny dummy configs per family, and the checks.
+"""Splice mechanics on any served model: the checks (tiny dummy models per family in
+`tiny_models`).
 
 Used by ``tests/test_gqa_models.py`` and ``experiments/backend/check_model.py``. The server must
 run with ``LEYLINE_DEBUG_ENDPOINTS=1`` (KV rows). Each check raises ``AssertionError`` naming what
@@ -14,10 +15,8 @@ broke and returns its measured figures:
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,109 +24,8 @@ import torch
 
 from leyline_agent.directive import Directive
 from leyline_agent.kernels.rope import RopeSpec, rotate
+from leyline_agent.testing.invariants import idle_invariants_hold, idle_stats
 from leyline_agent.testing.numerics import bf16_ulp
-from leyline_agent.testing.splice_fuzz import idle_invariants_hold, idle_stats
-
-_BASE = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-# Tiny configs shaped like each family's public config (rope and attention keys as released).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0,
-    },
-    "llama3.1": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    },
-    "qwen2.5-yarn": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "use_sliding_window": False,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 32768,
-        },
-    },
-    "glm4": {
-        "architectures": ["Glm4ForCausalLM"],
-        "model_type": "glm4",
-        "max_position_embeddings": 32768,
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5,
-        "attention_bias": True,
-    },
-    "mistral": {
-        "architectures": ["MistralForCausalLM"],
-        "model_type": "mistral",
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "sliding_window": None,
-    },
-}
-
-# What each family's keys must come out as (read from SGLang's model code, not from the server).
-EXPECTED_ROPE: dict[str, dict[str, Any]] = {
-    "qwen3": {"rotary_dim": 32, "pairing": "neox", "scaling": "none"},
-    "llama3.1": {"rotary_dim": 32, "pairing": "neox", "scaling": "llama3"},
-    "qwen2.5-yarn": {"rotary_dim": 32, "pairing": "neox", "scaling": "yarn"},
-    "glm4": {"rotary_dim": 16, "pairing": "interleaved", "scaling": "none"},
-    "mistral": {"rotary_dim": 32, "pairing": "neox", "scaling": "none"},
-}
-
-
-def write_tiny_model(directory: Path, family: str, **overrides: Any) -> Path:
-    """Write ``config.json`` for ``family`` (2 layers, GQA 4/2 heads) plus the embedded tokenizer.
-
-    ``overrides`` replace config keys. Returns ``directory``. Serve it with ``--dummy``.
-    """
-    from leyline_agent.tokenizer import (
-        DEFAULT_EOS_TOKEN_ID,
-        DEFAULT_VOCAB_SIZE,
-        default_tokenizer_dir,
-    )
-
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
-    cfg = {
-        **_BASE,
-        **FAMILIES[family],
-        "vocab_size": DEFAULT_VOCAB_SIZE,
-        "eos_token_id": DEFAULT_EOS_TOKEN_ID,
-        **overrides,
-    }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in default_tokenizer_dir().iterdir():
-        if f.is_file():
-            (directory / f.name).write_bytes(f.read_bytes())
-    return directory
-
 
 # ---- HTTP helpers ------------------------------------------------------------------------------
 
