@@ -10,7 +10,7 @@ import argparse
 import json
 import random
 import uuid
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 from leyline_agent import Directive, apply_directives
 from leyline_agent.client import LeylineClient
@@ -24,13 +24,12 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(0)
     tokens = [rng.randrange(1000, 150000) for _ in range(args.length)]
-    server = nullcontext() if args.backend else EmbeddedServer()
-    with server as srv:
-        client = LeylineClient(args.backend or srv.url)
+    with ExitStack() as stack:
+        client = LeylineClient(args.backend or stack.enter_context(EmbeddedServer()).url)
         ns = f"demo-{uuid.uuid4().hex[:8]}"
         first = client.generate(tokens, extra_key=ns)
         print(f"1. prefill {first.prompt_tokens} tokens: cached {first.cached_tokens}")
-        d = Directive(start=100, end=300, replacement=[rng.randrange(1000, 150000)] * 8)
+        d = Directive(start=100, end=300, replacement=(rng.randrange(1000, 150000),) * 8)
         res = client.splice(tokens, [d], extra_key=ns)
         print(f"2. splice [100, 300) -> 8 tokens: {res._asdict()}")
         new = apply_directives(tokens, [d])

@@ -13,10 +13,13 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import openai
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolUnionParam
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -86,10 +89,11 @@ def run_soak(
         for messages in turn_messages(s, turns, lines):
             t = time.perf_counter()
             try:
+                # Plain JSON dicts, shaped as the SDK's TypedDicts.
                 client.chat.completions.create(
                     model="default",
-                    messages=messages,
-                    tools=TOOLS,
+                    messages=cast("list[ChatCompletionMessageParam]", messages),
+                    tools=cast("list[ChatCompletionToolUnionParam]", TOOLS),
                     max_tokens=max_tokens,
                     temperature=0,
                 )
