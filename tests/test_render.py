@@ -7,9 +7,9 @@ from pathlib import Path
 
 import jinja2
 import pytest
-
 from leyline_agent.render import Renderer, load_renderer, sglang_messages, sglang_tools
-from leyline_agent.tokenizer import default_tokenizer_dir
+
+from leyline_agent.embedded.model import default_model_dir
 
 TOOLS = [
     {
@@ -183,7 +183,7 @@ def test_sglang_normalisation_matches_sglang() -> None:
         process_content_for_template_format,
     )
 
-    from leyline_agent.tokenizer import CHAT_TEMPLATE
+    from leyline_agent.embedded.tokenizer import CHAT_TEMPLATE
 
     fmt = detect_jinja_template_content_format(CHAT_TEMPLATE)
     for name, messages in CONVERSATIONS.items():
@@ -216,7 +216,7 @@ def test_encode_keeps_special_tokens(renderer: Renderer) -> None:
 @pytest.fixture(scope="module")
 def hf_tokenizer():  # noqa: ANN201 - transformers is an oracle only
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(default_tokenizer_dir()))
+    return transformers.AutoTokenizer.from_pretrained(str(default_model_dir()))
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
@@ -238,7 +238,7 @@ def test_matches_transformers_apply_chat_template(
 
 
 def test_transformers_agrees_on_the_tokenizer(renderer: Renderer, hf_tokenizer) -> None:
-    from leyline_agent.tokenizer import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
+    from leyline_agent.embedded.tokenizer import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
 
     assert len(hf_tokenizer) == DEFAULT_VOCAB_SIZE
     assert hf_tokenizer.eos_token_id == DEFAULT_EOS_TOKEN_ID
@@ -251,7 +251,7 @@ def make_model_dir(tmp_path: Path, config: dict) -> Path:
     """A model directory with a byte-level tokenizer (no merges) and the given config."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from leyline_agent.tokenizer import _bytes_to_unicode
+    from leyline_agent.embedded.tokenizer import _bytes_to_unicode
 
     vocab = {c: i for i, c in enumerate(sorted(_bytes_to_unicode().values()))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
+from leyline_agent.render import Renderer, load_renderer
 from test_proxy import TOOLS, agent_conversation, new_id, serve_proxy, session_detail
 
 from leyline_agent.chat.request import final_assistant, template_kwargs
-from leyline_agent.render import Renderer, load_renderer
-from leyline_agent.tokenizer import default_tokenizer_dir
+from leyline_agent.embedded.model import default_model_dir
 from leyline_agent.wrapper import ConversationWrapper
 
 SYS = {"role": "system", "content": "You are terse."}
@@ -37,7 +37,7 @@ CALL = {
 def _effort_template() -> str:
     """The embedded template, but the default system prompt reads ``reasoning_effort``: " high"
     replaces " helpful" (one token for one: equal length, differing from token 6)."""
-    config = json.loads((default_tokenizer_dir() / "tokenizer_config.json").read_text())
+    config = json.loads((default_model_dir() / "tokenizer_config.json").read_text())
     old = "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
     new = (
         "{{- '<|im_start|>system\\nYou are a ' + (reasoning_effort if reasoning_effort is "
@@ -51,7 +51,7 @@ def _effort_template() -> str:
 def effort_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the embedded tokenizer directory with ``_effort_template``."""
     out = tmp_path_factory.mktemp("effort-model")
-    for f in default_tokenizer_dir().iterdir():
+    for f in default_model_dir().iterdir():
         shutil.copy(f, out / f.name)
     config = json.loads((out / "tokenizer_config.json").read_text())
     config["chat_template"] = _effort_template()

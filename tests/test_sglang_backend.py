@@ -22,8 +22,10 @@ from live import (
     tree_slots,
 )
 
-from leyline_agent.backends.sglang.model import EMBEDDED_CONFIG
+from leyline_agent.embedded.model import EMBEDDED
 from leyline_agent.kernels.rope import RopeSpec, rotate
+
+EMBEDDED_CONFIG = EMBEDDED.to_hf()
 
 pytestmark = pytest.mark.sglang
 

@@ -14,11 +14,13 @@ import pytest
 from live import apply, assert_integrity, gen, ns, rows, seq, splice, stats
 from requires import require_sglang
 
-from leyline_agent.backends.sglang.model import EMBEDDED_CONFIG
 from leyline_agent.directive import Directive
+from leyline_agent.embedded.model import EMBEDDED
 from leyline_agent.kernels.rope import RopeSpec
 from leyline_agent.testing.invariants import check_rows
 from leyline_agent.testing.splice_fuzz import SpliceFuzzer
+
+EMBEDDED_CONFIG = EMBEDDED.to_hf()
 
 pytestmark = pytest.mark.sglang
 

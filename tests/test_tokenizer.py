@@ -1,4 +1,5 @@
-"""The embedded default tokenizer: o200k_base as a Hugging Face tokenizer directory."""
+"""The embedded default tokenizer: o200k_base as Hugging Face tokenizer files, in the embedded
+model directory."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from leyline_agent import tokenizer as tk
+from leyline_agent.embedded import tokenizer as tk
+from leyline_agent.embedded.model import default_model_dir
 from leyline_agent.render import load_renderer
 
 tiktoken = pytest.importorskip("tiktoken")
@@ -18,7 +20,7 @@ tiktoken = pytest.importorskip("tiktoken")
 
 @pytest.fixture(scope="module")
 def tok_dir() -> Path:
-    return tk.default_tokenizer_dir()
+    return default_model_dir()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,10 @@ def test_directory_files(tok_dir: Path) -> None:
     assert config["eos_token"] == "<|im_end|>"
     specials = json.loads((tok_dir / "special_tokens_map.json").read_text())
     assert specials["eos_token"] == "<|im_end|>"
-    assert tk.default_tokenizer_dir() == tok_dir  # cached
+    assert default_model_dir() == tok_dir  # cached
+    config = json.loads((tok_dir / "config.json").read_text())
+    assert config["vocab_size"] == tk.DEFAULT_VOCAB_SIZE
+    assert config["eos_token_id"] == tk.DEFAULT_EOS_TOKEN_ID
 
 
 SAMPLES = [
@@ -120,13 +125,14 @@ def test_builds_once_into_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
     monkeypatch.setenv("LEYLINE_CACHE", str(tmp_path))
     monkeypatch.setattr(tk, "build_tokenizer_json", fake_build)
-    first = tk.default_tokenizer_dir()
-    second = tk.default_tokenizer_dir()
-    assert first == second and first.parent == tmp_path / "tokenizers"
+    first = default_model_dir()
+    second = default_model_dir()
+    assert first == second and first.parent == tmp_path / "embedded"
     assert len(calls) == 1
     assert sorted(p.name for p in first.iterdir()) == [
+        "config.json",
         "special_tokens_map.json",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == [first.name]  # no temp left
+    assert [p.name for p in (tmp_path / "embedded").iterdir()] == [first.name]  # no temp left

@@ -70,7 +70,7 @@ def test_bad_policy_and_empty_input(tmp_path: Path) -> None:
 def test_model_path_with_failing_template(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from leyline_agent.tokenizer import _bytes_to_unicode
+    from leyline_agent.embedded.tokenizer import _bytes_to_unicode
 
     model = tmp_path / "model"
     model.mkdir()

@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from leyline_agent.backends.sglang.model import EMBEDDED_CONFIG
+from leyline_agent.embedded.model import EMBEDDED
 from leyline_agent.testing.splice_fuzz import InvariantBroken, SpliceFuzzer
+
+EMBEDDED_CONFIG = EMBEDDED.to_hf()
 
 
 def main() -> int:

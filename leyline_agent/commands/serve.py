@@ -18,12 +18,6 @@ CPU_MAX_TOTAL_TOKENS = 262144
 CPU_MAX_RUNNING_REQUESTS = 64
 
 
-def default_model_dir() -> Path:
-    from leyline_agent.cache import cache_root
-
-    return cache_root() / "embedded-deepseek-v2"
-
-
 @app.command(
     "serve",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
@@ -85,9 +79,9 @@ def serve(
     if dummy is None:
         dummy = model_path is None
     if model_path is None:
-        from leyline_agent.backends.sglang.model import write_embedded_model
+        from leyline_agent.embedded.model import default_model_dir
 
-        model_path = write_embedded_model(default_model_dir())
+        model_path = default_model_dir()
         dtype = dtype or "bfloat16"
     elif not (model_path / "config.json").is_file():
         raise typer.BadParameter(f"{model_path} has no config.json", param_hint="--model-path")

@@ -189,7 +189,7 @@ def check_forget(c: httpx.Client, n: int = 64, seed: int = 5) -> dict[str, Any]:
 
 def check_bad_input(c: httpx.Client, seed: int = 9) -> dict[str, Any]:
     """Malformed splices get a 4xx and change neither the rows nor the counters."""
-    from leyline_agent.tokenizer import DEFAULT_VOCAB_SIZE
+    from leyline_agent.embedded.tokenizer import DEFAULT_VOCAB_SIZE
 
     key = _ns()
     toks = _seq(40, seed)

@@ -89,11 +89,8 @@ def write_tiny_model(directory: Path, family: str, **overrides: Any) -> Path:
 
     ``overrides`` replace config keys. Returns ``directory``. Serve it with ``--dummy``.
     """
-    from leyline_agent.tokenizer import (
-        DEFAULT_EOS_TOKEN_ID,
-        DEFAULT_VOCAB_SIZE,
-        default_tokenizer_dir,
-    )
+    from leyline_agent.embedded.model import copy_tokenizer
+    from leyline_agent.embedded.tokenizer import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
@@ -106,7 +103,5 @@ def write_tiny_model(directory: Path, family: str, **overrides: Any) -> Path:
     }
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in default_tokenizer_dir().iterdir():
-        if f.is_file():
-            (directory / f.name).write_bytes(f.read_bytes())
+    copy_tokenizer(directory)
     return directory

