@@ -14,11 +14,12 @@ from requires import require_sglang
 def leyline_server() -> Iterator[str]:
     """Base URL of a running ``leyline serve``. Needs the sglang extra (CI installs it)."""
     require_sglang()
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
 
     url = os.environ.get("LEYLINE_TEST_SERVER")
     if url:  # reuse a server started by hand (faster local iteration)
         yield url
         return
+    # NOTE: a small pool (DEFAULT_MAX_TOTAL_TOKENS is 262,144): the tests fit in 16k tokens.
     with EmbeddedServer(max_total_tokens=16384, env={"LEYLINE_DEBUG_ENDPOINTS": "1"}) as srv:
         yield srv.url

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from leyline_agent.server import free_port
+from leyline_agent.backends.sglang.launch import free_port
 
 ToolCall = tuple[str, dict[str, Any]]  # (tool name, arguments)
 

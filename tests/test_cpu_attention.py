@@ -193,7 +193,7 @@ _E2E_STEPS = [
 def _greedy_outputs(backend: str) -> list[tuple[list[int], int]]:
     import httpx
 
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
 
     results = []
     # fp32 so that the two kernels' rounding cannot flip a near-tie of the random-weight logits.

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.sglang
 
 def serve(model_dir: Path, *extra: str) -> Iterator[httpx.Client]:
     require_sglang()
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
 
     with (
         EmbeddedServer(

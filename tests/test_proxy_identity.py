@@ -16,12 +16,12 @@ import pytest
 from fastapi.testclient import TestClient
 from test_proxy import agent_conversation
 
+from leyline_agent.backends.sglang.launch import free_port
 from leyline_agent.client import LeylineClient, SpliceResult
 from leyline_agent.directive import Directive
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, TraceRecorder, create_app
 from leyline_agent.proxy.auth import ApiKeys, parse_api_key
 from leyline_agent.proxy.sessions import SessionKey, match_form
-from leyline_agent.server import free_port
 from leyline_agent.session import SessionCore
 from leyline_agent.wrapper import ConversationWrapper
 

@@ -15,7 +15,7 @@ from live import assert_integrity, stats
 from requires import require_sglang
 from test_proxy import serve_proxy
 
-from leyline_agent.server import EmbeddedServer
+from leyline_agent.backends.sglang.launch import EmbeddedServer
 from leyline_agent.testing.soak import TOOLS, run_soak, turn_messages
 
 pytestmark = pytest.mark.sglang

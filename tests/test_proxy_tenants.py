@@ -162,7 +162,7 @@ def test_tenants_are_isolated_end_to_end(
 
 @pytest.fixture(scope="module")
 def keyed_server(leyline_server: str) -> Iterator[str]:
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
 
     with EmbeddedServer(max_total_tokens=16384, api_key=BACKEND_KEY) as srv:
         yield srv.url

@@ -31,7 +31,7 @@ SPEC = RopeSpec.from_hf_config(EMBEDDED_CONFIG)
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[str]:
     require_sglang()
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
 
     url = os.environ.get("LEYLINE_TEST_SMALL_SERVER")  # a 1024-token server started by hand
     if url:
@@ -183,7 +183,7 @@ def test_gqa_model_splices_and_nothing_leaks(tmp_path) -> None:
     ``MHATokenToKVPool``. The splice succeeds, the whole new sequence is cached, and the scheduler
     survives its idle memory check. (Refusals of pools a splice cannot edit: test_gqa_models.)"""
     pytest.importorskip("sglang")
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
     from leyline_agent.testing.tiny_models import write_tiny_model
 
     d = write_tiny_model(tmp_path / "qwen3", "qwen3")

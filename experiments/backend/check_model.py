@@ -38,7 +38,7 @@ def main() -> int:
 
     if args.backend:
         return report(args.backend, "backend")
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
 
     path = args.model_path
     if args.family:

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/fuzz_splice"))
     args = ap.parse_args()
 
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
 
     srv = None
     url = args.backend

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from leyline_agent.backends.sglang.launch import EmbeddedServer, free_port
 from leyline_agent.proxy import create_app
-from leyline_agent.server import EmbeddedServer, free_port
 from leyline_agent.testing.invariants import idle_invariants_hold, idle_stats
 from leyline_agent.testing.soak import run_soak
 

@@ -13,8 +13,8 @@ import uuid
 from contextlib import ExitStack
 
 from leyline_agent import Directive, apply_directives
+from leyline_agent.backends.sglang.launch import EmbeddedServer
 from leyline_agent.client import LeylineClient
-from leyline_agent.server import EmbeddedServer
 
 
 def main() -> None:

@@ -304,7 +304,7 @@ def check_splices(url: str, cfg: dict[str, Any], seed: int = 0) -> dict[str, Any
 
 def run_arch(arch: Arch, workdir: Path, log: Any) -> dict[str, Any]:
     """Serve ``arch`` (MoE layer first; all-dense if that fails) and run the checks."""
-    from leyline_agent.server import EmbeddedServer, ServerError
+    from leyline_agent.backends.sglang.launch import EmbeddedServer, ServerError
 
     row: dict[str, Any] = {
         "name": arch.name,

@@ -245,7 +245,7 @@ def run(
         say(f"  {done[0]}/{len(cases)} cases  ({rate:.1f}/s)")
 
     if backend is None:
-        from leyline_agent.server import EmbeddedServer
+        from leyline_agent.backends.sglang.launch import EmbeddedServer
 
         say(f"starting leyline serve on {model_dir} ({dtype}) ...")
         with EmbeddedServer(

@@ -169,7 +169,7 @@ def splice(
 
     from leyline_agent.bench import splice as sb
     from leyline_agent.client import LeylineClient, SpliceRejected
-    from leyline_agent.replay.report import environment
+    from leyline_agent.runinfo import environment
 
     try:
         spec = sb.SpliceBenchSpec(
@@ -182,10 +182,13 @@ def splice(
 
     server = None
     if backend is None:
-        from leyline_agent.commands.serve import CPU_MAX_TOTAL_TOKENS
-        from leyline_agent.server import EmbeddedServer, ServerError
+        from leyline_agent.backends.sglang.launch import (
+            DEFAULT_MAX_TOTAL_TOKENS,
+            EmbeddedServer,
+            ServerError,
+        )
 
-        pool = max(CPU_MAX_TOTAL_TOKENS, 4 * (max(spec.lengths) + 1024))
+        pool = max(DEFAULT_MAX_TOTAL_TOKENS, 4 * (max(spec.lengths) + 1024))
         _err(f"starting the embedded `leyline serve` (pool {pool:,} tokens; CPU: about a minute)")
         try:
             server = EmbeddedServer(max_total_tokens=pool).start()

@@ -103,12 +103,12 @@ def debug_gym(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from leyline_agent.backends.sglang.launch import ServerError
     from leyline_agent.evals.debug_gym import report
     from leyline_agent.evals.debug_gym.runner import EvalError, run_eval
     from leyline_agent.evals.debug_gym.spec import EvalSpec, parse_tasks
     from leyline_agent.evals.debug_gym.venv import VenvError
     from leyline_agent.policies import PolicyError, parse_policy
-    from leyline_agent.server import ServerError
 
     if backend and llm_url:
         raise typer.BadParameter("give --backend or --llm-url, not both")

@@ -8,14 +8,9 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+from leyline_agent.backends.sglang.launch import CPU_MAX_RUNNING_REQUESTS, DEFAULT_MAX_TOTAL_TOKENS
 
-# NOTE: two embedded-model contexts (131,072 tokens each, model.py); an MLA row of the embedded
-# model is (64 + 16) x 2 bytes x 2 layers = 320 bytes, so the pool is about 80 MiB.
-CPU_MAX_TOTAL_TOKENS = 262144
-# NOTE: SGLang's request table is [max_running_requests, context + 4] int32: at its CPU default
-# (2048 requests) and a 131,072-token context that is 1 GiB; 64 requests keep it at 32 MiB.
-CPU_MAX_RUNNING_REQUESTS = 64
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
 @app.command(
@@ -36,7 +31,7 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="KV/model dtype (SGLang --dtype).")] = None,
     max_total_tokens: Annotated[
         int | None,
-        typer.Option(help=f"KV pool size in tokens (default {CPU_MAX_TOTAL_TOKENS} on CPU)."),
+        typer.Option(help=f"KV pool size in tokens (default {DEFAULT_MAX_TOTAL_TOKENS} on CPU)."),
     ] = None,
     max_running_requests: Annotated[
         int | None,
@@ -71,10 +66,8 @@ def serve(
     and sizes the KV pool for two contexts of the embedded model (131,072 tokens each). The
     OpenAI endpoints serve the model under its path (SGLang's --served-model-name overrides it).
     """
-    try:
-        from leyline_agent.backends.sglang.launch import cuda_available, server_command
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise typer.BadParameter(f"leyline serve needs the sglang extra: {e}") from e
+    from leyline_agent.backends.sglang.launch import cuda_available, server_command
+
     cpu = not cuda_available()
     if dummy is None:
         dummy = model_path is None
@@ -86,7 +79,7 @@ def serve(
     elif not (model_path / "config.json").is_file():
         raise typer.BadParameter(f"{model_path} has no config.json", param_hint="--model-path")
     if cpu and max_total_tokens is None:
-        max_total_tokens = CPU_MAX_TOTAL_TOKENS
+        max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
     if cpu and max_running_requests is None:
         max_running_requests = CPU_MAX_RUNNING_REQUESTS
     extra = list(ctx.args)

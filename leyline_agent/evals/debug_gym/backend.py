@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
+from leyline_agent.backends.sglang.launch import free_port
 from leyline_agent.client import auth_headers
 from leyline_agent.evals.debug_gym.spec import EvalSpec
-from leyline_agent.server import free_port
 
 
 class EvalError(RuntimeError):
@@ -94,11 +94,13 @@ def open_backend(
     if spec.llm_url or spec.backend:
         yield probe_backend(spec.llm_url or spec.backend or "", spec.model, api_key)
         return
-    from leyline_agent.server import EmbeddedServer
+    from leyline_agent.backends.sglang.launch import DEFAULT_MAX_TOTAL_TOKENS, EmbeddedServer
 
     log("starting the embedded `leyline serve` (CPU: about a minute) ...")
     model_path = Path(spec.model_path) if spec.model_path else None
-    with EmbeddedServer(model_path=model_path, max_total_tokens=32768, timeout=600) as srv:
+    with EmbeddedServer(
+        model_path=model_path, max_total_tokens=DEFAULT_MAX_TOTAL_TOKENS, timeout=600
+    ) as srv:
         yield probe_backend(srv.url, spec.model)
 
 
