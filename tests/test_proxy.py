@@ -23,9 +23,9 @@ import openai
 import pytest
 import uvicorn
 
+from leyline_agent.backends.sglang.launch import free_port
 from leyline_agent.client import LeylineClient
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, create_app, metrics
-from leyline_agent.server import free_port
 from leyline_agent.session import SessionCore, TurnRecord, chat_request_view
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 

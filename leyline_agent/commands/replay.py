@@ -138,13 +138,16 @@ def replay(
 
     server = None
     if backend is None:
-        from leyline_agent.commands.serve import CPU_MAX_TOTAL_TOKENS
-        from leyline_agent.server import EmbeddedServer, ServerError
+        from leyline_agent.backends.sglang.launch import (
+            DEFAULT_MAX_TOTAL_TOKENS,
+            EmbeddedServer,
+            ServerError,
+        )
 
         err.print("starting the embedded `leyline serve` (CPU: about a minute) ...")
         try:
             server = EmbeddedServer(
-                model_path=model_path, max_total_tokens=CPU_MAX_TOTAL_TOKENS
+                model_path=model_path, max_total_tokens=DEFAULT_MAX_TOTAL_TOKENS
             ).start()
         except ServerError as e:
             err.print(str(e))
