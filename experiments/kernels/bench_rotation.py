@@ -10,8 +10,10 @@ Cache: a DeepSeek-V2-Lite-like MLA pool, one buffer per layer ``[2·N, 1, 512 + 
 - ``index_copy rows``: the same rows copied by ``index_copy_``.
 - ``memcpy``: a contiguous copy of the band bytes: the ceiling this machine reaches.
 
-The rotation runs the torch reference on CPU and the Triton kernel on CUDA ("auto"). Prints a
-table, then one JSON document as the last stdout line.
+The rotation rows run once per implementation named by ``--impls`` (default: the torch reference
+and the Triton kernel on CUDA, the torch reference alone on CPU). On CUDA the device's peak DRAM
+bandwidth (``2 · memory_clock_rate · memory_bus_width / 8``) is printed beside the memcpy ceiling.
+Prints a table, then one JSON document as the last stdout line.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from leyline_agent.kernels.delta_rotation import delta_rotate
+from leyline_agent.kernels.delta_rotation import Impl, delta_rotate
 from leyline_agent.kernels.rope import RopeBand, RopeSpec
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
@@ -65,7 +67,12 @@ def timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
 
 
 def bench_size(
-    n: int, layers: int, dtype: torch.dtype, device: torch.device, repeats: int
+    n: int,
+    layers: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    impls: Sequence[Impl] = ("auto",),
 ) -> list[dict]:
     spec, band = spec_v2_lite(), RopeBand(KV_LORA_RANK, ROPE_DIM)
     row = KV_LORA_RANK + ROPE_DIM
@@ -81,11 +88,11 @@ def bench_size(
     flat = torch.empty(band_bytes // 2 // itemsize, dtype=dtype, device=device)
     flat_out = torch.empty_like(flat)
 
-    def rotate_in_place() -> None:
-        delta_rotate(buffers, src, src, old_pos, new_pos, spec, band)
+    def rotate_in_place(impl: Impl) -> Callable[[], None]:
+        return lambda: delta_rotate(buffers, src, src, old_pos, new_pos, spec, band, impl=impl)
 
-    def rotate_copy() -> None:
-        delta_rotate(buffers, src, fresh, old_pos, new_pos, spec, band)
+    def rotate_copy(impl: Impl) -> Callable[[], None]:
+        return lambda: delta_rotate(buffers, src, fresh, old_pos, new_pos, spec, band, impl=impl)
 
     def copy_band() -> None:
         for buf in buffers:
@@ -96,26 +103,35 @@ def bench_size(
         for buf in buffers:
             buf.index_copy_(0, fresh, buf.index_select(0, src))
 
-    cases = [
-        ("rotate in place", rotate_in_place, band_bytes),
-        ("index_copy band", copy_band, band_bytes),
-        ("rotate + copy rows", rotate_copy, row_bytes),
-        ("index_copy rows", copy_rows, row_bytes),
-        ("memcpy", lambda: flat_out.copy_(flat), band_bytes),
+    cases: list[tuple[str, Impl | None, Callable[[], None], int]] = [
+        *(("rotate in place", i, rotate_in_place(i), band_bytes) for i in impls),
+        ("index_copy band", None, copy_band, band_bytes),
+        *(("rotate + copy rows", i, rotate_copy(i), row_bytes) for i in impls),
+        ("index_copy rows", None, copy_rows, row_bytes),
+        ("memcpy", None, lambda: flat_out.copy_(flat), band_bytes),
     ]
     results = []
-    for name, fn, nbytes in cases:
+    for name, impl, fn, nbytes in cases:
         seconds = timed(fn, device, repeats)
         results.append(
             {
                 "slots": n,
                 "op": name,
+                "impl": impl,
                 "bytes": nbytes,
                 "ms": seconds * 1e3,
                 "gbps": nbytes / seconds / 1e9,
             }
         )
     return results
+
+
+def peak_gbps(device: torch.device) -> float | None:
+    """The device's peak DRAM bandwidth (double data rate × bus width), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8 / 1e9
 
 
 def cpu_name() -> str:
@@ -156,8 +172,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="default 27 on CUDA, 2 on CPU")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        choices=("torch", "triton"),
+        help="default: both on CUDA, torch on CPU",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
+    impls = args.impls or (["torch", "triton"] if device.type == "cuda" else ["torch"])
     layers = args.layers or (27 if device.type == "cuda" else 2)
     slots = args.slots
     if args.quick:
@@ -165,19 +188,21 @@ def main() -> None:
     torch.manual_seed(0)
     results = []
     for n in slots:
-        results += bench_size(n, layers, DTYPES[args.dtype], device, args.repeats)
+        results += bench_size(n, layers, DTYPES[args.dtype], device, args.repeats, impls)
 
-    impl = "triton" if device.type == "cuda" else "torch"
+    peak = peak_gbps(device)
     table = Table(
-        title=f"δ-rotation, {layers} layers × (slots, 1, {KV_LORA_RANK}+{ROPE_DIM}) {args.dtype}, "
-        f"{impl} on {device.type}"
+        title=f"δ-rotation, {layers} layers × (slots, 1, {KV_LORA_RANK}+{ROPE_DIM}) {args.dtype} "
+        f"on {device.type}",
+        caption=f"device peak DRAM bandwidth {peak:,.0f} GB/s" if peak else None,
     )
-    for col in ("slots", "op", "MB moved", "ms", "GB/s"):
-        table.add_column(col, justify="right" if col != "op" else "left")
+    for col in ("slots", "op", "impl", "MB moved", "ms", "GB/s"):
+        table.add_column(col, justify="left" if col in ("op", "impl") else "right")
     for r in results:
         table.add_row(
             str(r["slots"]),
             r["op"],
+            r["impl"] or "",
             f"{r['bytes'] / 1e6:.1f}",
             f"{r['ms']:.3f}",
             f"{r['gbps']:.1f}",
@@ -188,6 +213,7 @@ def main() -> None:
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "peak_gbps": peak,
     }
     if device.type == "cuda":
         import triton
@@ -195,7 +221,7 @@ def main() -> None:
         machine["triton"] = triton.__version__
     doc = {
         "experiment": "bench_rotation",
-        "impl": impl,
+        "impls": impls,
         "layers": layers,
         "dtype": args.dtype,
         "results": results,
