@@ -252,6 +252,34 @@ def test_triton_layer_groups(triton_rotate: Callable[..., None]) -> None:
         assert (got - want).abs().max().item() <= tol_vs_torch(torch.float32, magnitude)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (a 4.3 GB buffer)")
+def test_triton_offsets_past_2_31_elements() -> None:
+    """Rows whose element offsets exceed 2**31 (the kernel indexes in int64) agree with torch:
+    n rotated in place, n copied to the last rows of the buffer."""
+    layout = LAYOUTS["mla"]
+    n = 16
+    slots = 2**31 // layout.row + 8 * n
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(2 * n, 1, layout.row, generator=gen).to(torch.bfloat16)
+    old_pos = torch.randint(0, MAX_POS, (2 * n,), generator=gen)
+    new_pos = torch.randint(0, MAX_POS, (2 * n,), generator=gen)
+    ref = [rows.clone()]
+    here = torch.arange(2 * n)
+    delta_rotate(ref, here, here, old_pos, new_pos, layout.spec, layout.band, impl="torch")
+
+    src = torch.arange(slots - 4 * n, slots - 2 * n, device="cuda")
+    assert int(src[0]) * layout.row > 2**31
+    dst = torch.cat([src[:n], torch.arange(slots - n, slots, device="cuda")])
+    big = torch.zeros(slots, 1, layout.row, dtype=torch.bfloat16, device="cuda")
+    big[src] = rows.cuda()
+    delta_rotate(
+        [big], src, dst, old_pos.cuda(), new_pos.cuda(), layout.spec, layout.band, impl="triton"
+    )
+    got, want = big[dst].cpu().double(), ref[0].double()
+    magnitude = band_of(ref[0], layout.band).abs().max().item()
+    assert (got - want).abs().max().item() <= tol_vs_torch(torch.bfloat16, magnitude)
+
+
 def test_mscale_is_kept_not_reapplied() -> None:
     """The stored key carries YaRN's mscale; the rotation uses unit cos/sin and keeps it."""
     layout = LAYOUTS["mla"]
