@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from leyline_agent.commands import options
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
@@ -50,7 +52,7 @@ def fidelity(
         ),
     ] = None,
     n: Annotated[int, typer.Option(help="cases per kind (4 kinds)")] = 500,
-    out: Annotated[Path, typer.Option(help="results directory")] = Path("runs/fidelity"),
+    out: Annotated[Path, options.out()] = Path("runs/fidelity"),
     backend: Annotated[
         str | None,
         typer.Option(help="URL of a running `leyline serve` of the model (default: start one)"),
@@ -149,7 +151,7 @@ def splice(
             help="a running `leyline serve` URL (any device); default: start the embedded one"
         ),
     ] = None,
-    out: Annotated[Path, typer.Option(help="results directory")] = Path("runs/bench_splice"),
+    out: Annotated[Path, options.out()] = Path("runs/bench_splice"),
     seed: Annotated[int, typer.Option(help="seeds the token ids")] = 0,
 ) -> None:
     """Engine-level latency of an edit near the start of a long cached sequence.

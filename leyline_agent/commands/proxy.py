@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from leyline_agent.commands.options import Host, Policy, Port, backend_api_key
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
@@ -15,11 +17,9 @@ def proxy(
     backend: Annotated[
         str, typer.Option(help="Leyline-enabled SGLang server (leyline serve), e.g. http://h:30000")
     ],
-    policy: Annotated[
-        str, typer.Option(help="policy spec, NAME[:key=value,...] (see docs/policies.md)")
-    ],
-    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    policy: Policy,
+    port: Port = 8000,
+    host: Host = "127.0.0.1",
     splice: Annotated[
         bool,
         typer.Option(
@@ -49,10 +49,8 @@ def proxy(
     ] = None,
     backend_api_key: Annotated[
         str | None,
-        typer.Option(
-            envvar="LEYLINE_BACKEND_API_KEY",
-            show_envvar=True,
-            help="The backend's key (leyline serve --api-key), sent on every upstream request.",
+        backend_api_key(
+            "The backend's key (leyline serve --api-key), sent on every upstream request."
         ),
     ] = None,
 ) -> None:

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from leyline_agent.backends.sglang.launch import CPU_MAX_RUNNING_REQUESTS, DEFAULT_MAX_TOTAL_TOKENS
+from leyline_agent.commands.options import Host, Port
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -26,8 +27,8 @@ def serve(
             "(random weights: mechanics, not quality)."
         ),
     ] = None,
-    port: Annotated[int, typer.Option(help="HTTP port.")] = 30000,
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Port = 30000,
+    host: Host = "127.0.0.1",
     dtype: Annotated[str | None, typer.Option(help="KV/model dtype (SGLang --dtype).")] = None,
     max_total_tokens: Annotated[
         int | None,

@@ -1,0 +1,61 @@
+"""Options that several commands share, declared once (typer ``Annotated`` aliases).
+
+The default of an option stays at the parameter (``policy: Policy = "none"``; no default: the
+option is required); where a spec class holds it, the command reads it from there with
+``spec_default`` so that each default lives once. Options whose help differs per command share
+their wiring through a function taking the help (``backend_api_key``, ``out``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import BaseModel
+
+Host = Annotated[str, typer.Option(help="Bind address.")]
+Port = Annotated[int, typer.Option(help="HTTP port.")]
+Policy = Annotated[
+    str, typer.Option(help="policy spec, NAME[:key=value,...] (see docs/policies.md)")
+]
+ArmsPolicy = Annotated[
+    str, typer.Option(help="policy of the reprefill and splice arms, NAME[:key=value,...]")
+]
+Arms = Annotated[str, typer.Option(help="comma-separated arms")]
+EmbeddedBackend = Annotated[
+    str | None,
+    typer.Option(help="a running `leyline serve` URL; default: start the embedded one"),
+]
+ServedModelPath = Annotated[
+    Path | None,
+    typer.Option(help="model directory (tokenizer + chat template; served when embedded)"),
+]
+
+
+def backend_api_key(help: str) -> Any:
+    """``--backend-api-key``: the backend's bearer token, also read from
+    ``LEYLINE_BACKEND_API_KEY``; ``help`` says where the command sends it."""
+    return typer.Option(envvar="LEYLINE_BACKEND_API_KEY", show_envvar=True, help=help)
+
+
+def out(help: str = "results directory") -> Any:
+    """``--out``: the directory a runner writes its results and plots into."""
+    return typer.Option(help=help)
+
+
+def spec_default(spec: type[BaseModel], name: str) -> Any:
+    """The default of field ``name`` of a pydantic spec class (its factory called if it has one).
+
+    Raises:
+        KeyError: the class has no such field.
+    """
+    field = spec.model_fields[name]
+    if field.default_factory is not None:
+        return field.default_factory()  # type: ignore[call-arg]
+    return field.default
+
+
+def csv(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]`` (comma-separated option values)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
