@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from leyline_agent.commands.options import Policy
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
@@ -19,9 +21,7 @@ def trace() -> None:
 @app.command()
 def check(
     paths: Annotated[list[Path], typer.Argument(help="trace files or directories")],
-    policy: Annotated[
-        str, typer.Option(help="policy spec, NAME[:key=value,...] (see docs/policies.md)")
-    ] = "none",
+    policy: Policy = "none",
     model_path: Annotated[
         Path | None,
         typer.Option(help="model directory (tokenizer.json + chat template); default: embedded"),
