@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from leyline_agent.commands import options
+from leyline_agent.commands.options import out_option
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -52,7 +52,7 @@ def fidelity(
         ),
     ] = None,
     n: Annotated[int, typer.Option(help="cases per kind (4 kinds)")] = 500,
-    out: Annotated[Path, options.out()] = Path("runs/fidelity"),
+    out: Annotated[Path, out_option()] = Path("runs/fidelity"),
     backend: Annotated[
         str | None,
         typer.Option(help="URL of a running `leyline serve` of the model (default: start one)"),
@@ -151,7 +151,7 @@ def splice(
             help="a running `leyline serve` URL (any device); default: start the embedded one"
         ),
     ] = None,
-    out: Annotated[Path, options.out()] = Path("runs/bench_splice"),
+    out: Annotated[Path, out_option()] = Path("runs/bench_splice"),
     seed: Annotated[int, typer.Option(help="seeds the token ids")] = 0,
 ) -> None:
     """Engine-level latency of an edit near the start of a long cached sequence.

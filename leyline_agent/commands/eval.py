@@ -9,6 +9,16 @@ from typing import Annotated
 
 import typer
 
+from leyline_agent.commands.options import (
+    Arms,
+    ArmsPolicy,
+    EmbeddedBackend,
+    ServedModelPath,
+    backend_key_option,
+    csv,
+    spec_default,
+)
+from leyline_agent.evals.debug_gym.spec import EvalSpec
 from leyline_agent.replay import ARMS, DEFAULT_POLICY
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
@@ -19,23 +29,14 @@ def main() -> None:
     """Live benchmarks: a real agent whose LLM calls go through the Leyline proxy."""
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 @app.command("debug-gym")
 def debug_gym(
     tasks: Annotated[
         str, typer.Option(help="'all' or comma-separated mini_nightmare tasks")
     ] = "all",
-    arms: Annotated[str, typer.Option(help="comma-separated arms")] = ",".join(ARMS),
-    policy: Annotated[
-        str, typer.Option(help="policy of the reprefill and splice arms, NAME[:key=value,...]")
-    ] = DEFAULT_POLICY,
-    backend: Annotated[
-        str | None,
-        typer.Option(help="a running `leyline serve` URL; default: start the embedded one"),
-    ] = None,
+    arms: Arms = ",".join(ARMS),
+    policy: ArmsPolicy = DEFAULT_POLICY,
+    backend: EmbeddedBackend = None,
     llm_url: Annotated[
         str | None,
         typer.Option(help="any OpenAI-compatible endpoint (splice arm only if Leyline-enabled)"),
@@ -45,13 +46,13 @@ def debug_gym(
     ] = None,
     backend_api_key: Annotated[
         str | None,
-        typer.Option(
-            envvar="LEYLINE_BACKEND_API_KEY",
-            show_envvar=True,
-            help="key of --backend / --llm-url (sent as a bearer token; never written out)",
+        backend_key_option(
+            "key of --backend / --llm-url (sent as a bearer token; never written out)"
         ),
     ] = None,
-    max_steps: Annotated[int, typer.Option(min=1, help="model calls per task")] = 10,
+    max_steps: Annotated[int, typer.Option(min=1, help="model calls per task")] = spec_default(
+        EvalSpec, "max_steps"
+    ),
     data_dir: Annotated[
         Path | None,
         typer.Option(help="mini_nightmare tasks (default: debug-gym's cache or download)"),
@@ -74,14 +75,13 @@ def debug_gym(
             "serves dummy weights)",
         ),
     ] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens per model call")] = 64,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, help="max_tokens per model call")
+    ] = spec_default(EvalSpec, "max_tokens"),
     context_limit: Annotated[
         int, typer.Option(min=1, help="debug-gym's context limit, thousands of tokens")
-    ] = 12,
-    model_path: Annotated[
-        Path | None,
-        typer.Option(help="model directory (tokenizer + chat template; served when embedded)"),
-    ] = None,
+    ] = spec_default(EvalSpec, "context_limit_k"),
+    model_path: ServedModelPath = None,
     venv: Annotated[
         Path | None,
         typer.Option(help="debug-gym's venv (default: $LEYLINE_CACHE/debug-gym-1.3.0/venv)"),
@@ -106,7 +106,7 @@ def debug_gym(
     from leyline_agent.backends.sglang.launch import ServerError
     from leyline_agent.evals.debug_gym import report
     from leyline_agent.evals.debug_gym.runner import EvalError, run_eval
-    from leyline_agent.evals.debug_gym.spec import EvalSpec, parse_tasks
+    from leyline_agent.evals.debug_gym.spec import parse_tasks
     from leyline_agent.evals.debug_gym.venv import VenvError
     from leyline_agent.policies import PolicyError, parse_policy
 
@@ -115,7 +115,7 @@ def debug_gym(
     try:
         spec = EvalSpec(
             tasks=parse_tasks(tasks),
-            arms=_csv(arms),  # type: ignore[arg-type]
+            arms=csv(arms),  # type: ignore[arg-type]
             policy=policy,
             backend=backend,
             llm_url=llm_url,
@@ -124,7 +124,7 @@ def debug_gym(
             max_steps=max_steps,
             data_dir=str(data_dir) if data_dir else None,
             out=str(out),
-            tools=_csv(tools) if tools else None,
+            tools=csv(tools) if tools else None,
             constrain=constrain,
             max_tokens=max_tokens,
             context_limit_k=context_limit,

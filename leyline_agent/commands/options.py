@@ -3,7 +3,7 @@
 The default of an option stays at the parameter (``policy: Policy = "none"``; no default: the
 option is required); where a spec class holds it, the command reads it from there with
 ``spec_default`` so that each default lives once. Options whose help differs per command share
-their wiring through a function taking the help (``backend_api_key``, ``out``).
+their wiring through a function taking the help (``backend_key_option``, ``out_option``).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ ServedModelPath = Annotated[
 ]
 
 
-def backend_api_key(help: str) -> Any:
+def backend_key_option(help: str) -> Any:
     """``--backend-api-key``: the backend's bearer token, also read from
     ``LEYLINE_BACKEND_API_KEY``; ``help`` says where the command sends it."""
     return typer.Option(envvar="LEYLINE_BACKEND_API_KEY", show_envvar=True, help=help)
 
 
-def out(help: str = "results directory") -> Any:
+def out_option(help: str = "results directory") -> Any:
     """``--out``: the directory a runner writes its results and plots into."""
     return typer.Option(help=help)
 

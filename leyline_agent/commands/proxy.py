@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from leyline_agent.commands.options import Host, Policy, Port, backend_api_key
+from leyline_agent.commands.options import Host, Policy, Port, backend_key_option
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -49,7 +49,7 @@ def proxy(
     ] = None,
     backend_api_key: Annotated[
         str | None,
-        backend_api_key(
+        backend_key_option(
             "The backend's key (leyline serve --api-key), sent on every upstream request."
         ),
     ] = None,
