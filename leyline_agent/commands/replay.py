@@ -15,11 +15,16 @@ from leyline_agent.replay import ARMS, DEFAULT_POLICY
 if TYPE_CHECKING:
     from leyline_agent.client import LeylineClient
 
+from leyline_agent.commands.options import (
+    Arms,
+    ArmsPolicy,
+    EmbeddedBackend,
+    ServedModelPath,
+    backend_key_option,
+    csv,
+)
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
-
-
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 @app.command("replay")
@@ -36,23 +41,16 @@ def replay(
         bool,
         typer.Option("--examples", help="also replay the built-in example traces", metavar=""),
     ] = False,
-    policy: Annotated[
-        str, typer.Option(help="policy of the reprefill and splice arms, NAME[:key=value,...]")
-    ] = DEFAULT_POLICY,
-    arms: Annotated[str, typer.Option(help="comma-separated arms")] = ",".join(ARMS),
+    policy: ArmsPolicy = DEFAULT_POLICY,
+    arms: Arms = ",".join(ARMS),
     concurrency: Annotated[
         str, typer.Option(help="comma-separated levels: sessions in flight at once")
     ] = "1",
-    backend: Annotated[
-        str | None,
-        typer.Option(help="a running `leyline serve` URL; default: start the embedded one"),
-    ] = None,
+    backend: EmbeddedBackend = None,
     backend_api_key: Annotated[
         str | None,
-        typer.Option(
-            envvar="LEYLINE_BACKEND_API_KEY",
-            show_envvar=True,
-            help="--backend's key (leyline serve --api-key); never written to results.json",
+        backend_key_option(
+            "--backend's key (leyline serve --api-key); never written to results.json"
         ),
     ] = None,
     out: Annotated[Path, typer.Option(help="directory for results.json and the plots")] = Path(
@@ -61,10 +59,7 @@ def replay(
     max_turns: Annotated[
         int | None, typer.Option(min=1, help="replay only the first N turns of each trace")
     ] = None,
-    model_path: Annotated[
-        Path | None,
-        typer.Option(help="model directory (tokenizer + chat template; served when embedded)"),
-    ] = None,
+    model_path: ServedModelPath = None,
     seed: Annotated[int, typer.Option(help="seeds the session submission order")] = 0,
     agreement: Annotated[
         bool,
@@ -105,14 +100,14 @@ def replay(
     if examples or not paths:
         paths.append(examples_dir())
     try:
-        levels = [int(c) for c in _csv(concurrency)]
+        levels = [int(c) for c in csv(concurrency)]
     except ValueError as e:
         raise typer.BadParameter(f"expected integers such as 1,8: {e}", "--concurrency") from e
     try:
         spec = ReplaySpec(
             traces=[str(p) for p in paths],
             policy=policy,
-            arms=_csv(arms),  # type: ignore[arg-type]
+            arms=csv(arms),  # type: ignore[arg-type]
             concurrency=levels,
             max_turns=max_turns,
             model_path=str(model_path) if model_path else None,
