@@ -18,6 +18,7 @@ from leyline_agent.commands.options import (
     csv,
     spec_default,
 )
+from leyline_agent.commands.progress import progress_bar
 from leyline_agent.evals.debug_gym.spec import EvalSpec
 from leyline_agent.replay import ARMS, DEFAULT_POLICY
 
@@ -101,7 +102,6 @@ def debug_gym(
     """
     from pydantic import ValidationError
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from leyline_agent.backends.sglang.launch import ServerError
     from leyline_agent.evals.debug_gym import report
@@ -137,14 +137,7 @@ def debug_gym(
         raise typer.BadParameter(str(e), param_hint="--policy") from e
 
     err = Console(stderr=True)
-    progress = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    )
+    progress = progress_bar(err)
     total = len(spec.tasks) * len(spec.arms) * spec.max_steps
     bar = progress.add_task(f"{len(spec.tasks)} tasks x {len(spec.arms)} arms", total=total)
 

@@ -23,6 +23,7 @@ from leyline_agent.commands.options import (
     backend_key_option,
     csv,
 )
+from leyline_agent.commands.progress import progress_bar
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -86,7 +87,6 @@ def replay(
     import httpx
     from pydantic import ValidationError
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from leyline_agent.client import LeylineClient
     from leyline_agent.policies import PolicyError, parse_policy
@@ -155,14 +155,7 @@ def replay(
         label = f"{len(loaded)} traces x {len(spec.arms)} arms"
         total = total_turns(loaded, spec)
         if err.is_terminal:
-            progress = Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=err,
-                transient=True,
-            )
+            progress = progress_bar(err)
             with progress:
                 task = progress.add_task(label, total=total)
                 results = replay(
