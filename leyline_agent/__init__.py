@@ -3,7 +3,7 @@
 Public API (pure Python; torch and sglang are only needed by ``leyline_agent.backends`` and
 ``leyline_agent.kernels``)::
 
-    from leyline_agent import ConversationWrapper, Directive, Mode
+    from leyline_agent import ConversationWrapper, Directive, LeylineSession, Mode
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = [
     "ConversationWrapper",
     "Directive",
     "DirectiveError",
+    "LeylineSession",
     "Mode",
     "__version__",
     "apply_directives",
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from leyline_agent.api import LeylineSession
     from leyline_agent.wrapper import ConversationWrapper
 
 
@@ -33,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from leyline_agent.wrapper import ConversationWrapper
 
         return ConversationWrapper
+    if name == "LeylineSession":
+        from leyline_agent.api import LeylineSession
+
+        return LeylineSession
     raise AttributeError(f"module 'leyline_agent' has no attribute {name!r}")

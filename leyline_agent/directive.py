@@ -30,6 +30,13 @@ class Mode(StrEnum):
     AMORTIZE = "amortize"
     FORGET = "forget"
 
+    @staticmethod
+    def strongest(a: Mode | None, b: Mode | None) -> Mode | None:
+        """The stronger of two modes (FORGET > AMORTIZE > None)."""
+        if Mode.FORGET in (a, b):
+            return Mode.FORGET
+        return a or b
+
 
 class DirectiveError(ValueError):
     """A directive (or a set of directives) does not fit the sequence it is applied to."""

@@ -1,6 +1,6 @@
 """One conversation against a Leyline backend: policy → diff → splice → request → bookkeeping.
 
-This is the single code path shared by the in-process API (:class:`LeylineSession`), the proxy
+This is the single code path shared by the in-process API (``api.LeylineSession``), the proxy
 and ``leyline replay``. Pure Python (httpx); no torch, no sglang.
 
 Per turn::
@@ -24,7 +24,6 @@ The session's tokens follow the backend's cache, not the request's fate:
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -33,8 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from leyline_agent.chat.request import final_assistant, length_error, template_kwargs
-from leyline_agent.chat.sglang import sglang_tools
+from leyline_agent.chat.request import final_assistant, length_error
 from leyline_agent.client import GenerateResult, LeylineClient, SpliceRejected, SpliceResult
 from leyline_agent.directive import Mode
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
@@ -301,165 +299,3 @@ class SessionCore:
         )
         return record, out
 
-
-def _served_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(message)
-    if out.get("content") is None:
-        out["content"] = ""
-    if isinstance(out.get("tool_calls"), list):
-        calls = []
-        for call in out["tool_calls"]:
-            fn = call.get("function") if isinstance(call, Mapping) else None
-            if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
-                try:
-                    args = json.loads(fn["arguments"])
-                except ValueError:
-                    args = None  # the server rejects it; keep the agent's text
-                if isinstance(args, dict):
-                    fn = {**fn, "arguments": json.dumps(args, ensure_ascii=False)}
-                    call = {**call, "function": fn}
-            calls.append(call)
-        out["tool_calls"] = calls
-    return out
-
-
-def chat_request_view(
-    messages: Sequence[Mapping[str, Any]],
-    tools: Sequence[Mapping[str, Any]] | None,
-    tool_choice: Any = None,
-    continue_final_message: bool = False,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and tools of a chat request as SGLang's chat template will see them.
-
-    SGLang (0.5.x) passes every tool through its pydantic ``Tool`` model before templating (which
-    adds ``"defer_loading": null``, ``description``/``parameters`` when absent, and drops unknown
-    keys), parses tool-call ``arguments`` strings into objects that the template re-serialises
-    with ``tojson``, renders no tools under ``tool_choice="none"`` and only the named one under a
-    named ``tool_choice``, and renders a final assistant message with text content as a user
-    turn (unless ``continue_final_message``: ``SessionCore.begin(continue_final=True)``).
-    Planning on the raw request would give other tokens than the server's prompt (every splice
-    would then miss). This view is a fixed point of that normalisation: send it and render it,
-    and both sides agree. Semantics are unchanged.
-    """
-    if tools and tool_choice == "none":
-        tools = None
-    elif tools and isinstance(tool_choice, Mapping):
-        name = (tool_choice.get("function") or {}).get("name")
-        tools = [t for t in tools if (t.get("function") or {}).get("name") == name] or None
-    served = [_served_message(m) for m in messages]
-    if not continue_final_message:
-        served = final_assistant(served)[0]
-    return served, sglang_tools(tools)
-
-
-def pop_prompt_ids(data: dict[str, Any], keep: bool = False) -> list[int] | None:
-    """The prompt token ids of a non-streamed chat completion asked with
-    ``return_prompt_token_ids`` (SGLang 0.5.23 puts them in every choice, as
-    ``choices[i].prompt_token_ids``), removed from ``data`` unless ``keep``."""
-    ids: list[int] | None = None
-    for choice in data.get("choices") or []:
-        if isinstance(choice, dict) and isinstance(choice.get("prompt_token_ids"), list):
-            ids = ids if ids is not None else list(choice["prompt_token_ids"])
-            if not keep:
-                del choice["prompt_token_ids"]
-    return ids
-
-
-def read_usage(data: dict[str, Any], default_prompt: int) -> tuple[int, int]:
-    """``(prompt_tokens, cached_tokens)`` of a chat completion (or its streamed usage chunk).
-
-    Fills ``usage.prompt_tokens_details.cached_tokens`` in place (0 when the backend did not
-    report it, e.g. SGLang without ``--enable-cache-report``); ``default_prompt`` stands in for a
-    missing ``usage.prompt_tokens``.
-    """
-    usage = data.get("usage") or {}
-    prompt = int(usage.get("prompt_tokens", default_prompt))
-    details = usage.get("prompt_tokens_details") or {}
-    cached = int(details.get("cached_tokens") or 0)
-    usage["prompt_tokens_details"] = {**details, "cached_tokens": cached}
-    data["usage"] = usage
-    return prompt, cached
-
-
-class LeylineSession:
-    """In-process API for Python agent loops.
-
-    ``LeylineSession(base_url="http://127.0.0.1:30000", policy="stale_tool_outputs:keep_last=2")``
-    then ``session.chat(messages, tools=tools, max_tokens=64)`` returns the backend's OpenAI-style
-    chat completion (a dict) with ``usage.prompt_tokens_details.cached_tokens`` filled in.
-
-    Args:
-        base_url: a Leyline-enabled SGLang server (``leyline serve``), without ``/v1``.
-        policy: a policy or spec string.
-        model_path: model directory whose chat template the server uses (None: embedded default).
-        splice: False sends the edited request without directives (re-prefill).
-        api_key: the server's key (``leyline serve --api-key``).
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        policy: Any = "none",
-        *,
-        model: str | None = None,
-        model_path: str | None = None,
-        session_id: str | None = None,
-        splice: bool = True,
-        timeout: float = 600.0,
-        api_key: str | None = None,
-    ) -> None:
-        self.client = LeylineClient(base_url, timeout=timeout, api_key=api_key)
-        self.model = model or "default"
-        self.core = SessionCore(
-            self.client,
-            ConversationWrapper(model_path, policy),
-            session_id=session_id,
-            splice=splice,
-        )
-
-    @property
-    def records(self) -> list[TurnRecord]:
-        return self.core.records
-
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None = None,
-        **sampling: Any,
-    ) -> dict[str, Any]:
-        """Send one turn. Raises ``httpx.HTTPStatusError`` when the backend answers an error
-        (a turn whose splice ran is still recorded, with its ``error``)."""
-        cont = bool(sampling.get("continue_final_message"))
-        self.core.set_cache_salt(sampling.get("cache_salt"))
-        view = chat_request_view(messages, tools, sampling.get("tool_choice"), cont)
-        pending = self.core.begin(
-            *view, template_kwargs=template_kwargs(sampling), continue_final=cont
-        )
-        body: dict[str, Any] = {"model": sampling.pop("model", self.model), **sampling}
-        body["return_prompt_token_ids"] = True
-        t0 = time.perf_counter()
-        r = self.client.http.post("/v1/chat/completions", json=self.core.chat_body(pending, body))
-        request_ms = (time.perf_counter() - t0) * 1e3
-        if r.status_code != 200 and pending.committed:
-            self.core.finish(
-                pending,
-                prompt_tokens=0,
-                cached_tokens=0,
-                request_ms=request_ms,
-                messages=messages,
-                error=f"backend {r.status_code}",
-                prefilled=False,
-            )
-        r.raise_for_status()
-        data = r.json()
-        ids = pop_prompt_ids(data, keep=bool(sampling.get("return_prompt_token_ids")))
-        prompt, cached = read_usage(data, len(pending.plan.tokens))
-        self.core.finish(
-            pending,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            request_ms=request_ms,
-            messages=messages,
-            prompt_ids=ids,
-        )
-        return data

@@ -34,7 +34,7 @@ def test_public_api_without_heavy_dependencies() -> None:
     r = run(
         "from leyline_agent import ConversationWrapper, Directive, Mode\n"
         "from leyline_agent.policies import parse_policy\n"
-        "from leyline_agent.session import LeylineSession\n"
+        "from leyline_agent.api import LeylineSession\n"
         "import leyline_agent.proxy.app, leyline_agent.traces, leyline_agent.kernels\n"
         "d = Directive(start=1, end=2, replacement=[7])\n"
         "print(d.apply([1, 2, 3]), parse_policy('stale_tool_outputs:keep_last=2'))\n"

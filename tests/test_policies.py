@@ -26,7 +26,7 @@ from leyline_agent.policies import (
     parse_policy,
     register_policy,
 )
-from leyline_agent.policies import base as policy_base
+from leyline_agent.policies import registry as policy_registry
 
 
 def agent_run(steps: list[int], text_agent: bool = False) -> list[dict]:
@@ -58,8 +58,8 @@ def edited(messages: list[dict], policy) -> list[dict]:  # noqa: ANN001
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict:
     """A private copy of the registry, so tests can register names."""
-    copy = dict(policy_base._REGISTRY)  # noqa: SLF001
-    monkeypatch.setattr(policy_base, "_REGISTRY", copy)
+    copy = dict(policy_registry._REGISTRY)  # noqa: SLF001
+    monkeypatch.setattr(policy_registry, "_REGISTRY", copy)
     return copy
 
 
@@ -109,7 +109,7 @@ def test_stale_stubs_never_change_once_written(steps: list[int], keep_last: int)
     after = edited(agent_run(steps), policy)
     for old, new in zip(before, after, strict=False):
         if old["content"] != new["content"]:  # only verbatim outputs may become stubs
-            assert new["role"] == "tool" and "evicted" in new["content"] or new["content"] == ""
+            assert (new["role"] == "tool" and "evicted" in new["content"]) or new["content"] == ""
             assert "evicted" not in old["content"]
 
 
@@ -245,10 +245,10 @@ def test_entry_point_policies(registry: dict, monkeypatch: pytest.MonkeyPatch) -
     ep = EntryPoint(
         name="third_party",
         value="leyline_agent.policies.observation_window:ObservationWindow",
-        group=policy_base.ENTRY_POINT_GROUP,
+        group=policy_registry.ENTRY_POINT_GROUP,
     )
     monkeypatch.setattr(
-        policy_base, "entry_points", lambda group: [ep] if group == ep.group else []
+        policy_registry, "entry_points", lambda group: [ep] if group == ep.group else []
     )
     assert "third_party" in available_policies()
     p = parse_policy("third_party:n=1")

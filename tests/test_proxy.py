@@ -24,9 +24,10 @@ import pytest
 import uvicorn
 
 from leyline_agent.backends.sglang.launch import free_port
+from leyline_agent.chat.openai import chat_request_view
 from leyline_agent.client import LeylineClient
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, create_app, metrics
-from leyline_agent.session import SessionCore, TurnRecord, chat_request_view
+from leyline_agent.session import SessionCore, TurnRecord
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 
 POLICY = "stale_tool_outputs:keep_last=2"
@@ -241,13 +242,13 @@ def test_splice_arm_caches_every_token_before_the_new_turn(
     assert [len(p.tokens) for p in plans] == [p for p, _ in usage]  # same rendering as the server
     assert [bool(p.directives) for p in plans] == [False] * 3 + [True] * 3
     for t, ((prompt, cached), plan, rec) in enumerate(zip(usage, plans, records, strict=True)):
-        assert rec["prompt_tokens"] == prompt and rec["cached_tokens"] == cached
+        assert rec["prompt_tokens"] == prompt and rec["server_cached_tokens"] == cached
         if t >= 1:  # every turn after the first: all but the new tail is cached
             assert cached == prompt - len(plan.tail), (t, prompt, cached, len(plan.tail))
         if plan.directives:
             assert rec["spliced"] and rec["splice_error"] is None
             assert rec["directives_amortize"] == len(plan.directives)
-            assert rec["splice_prefilled"] == sum(len(d.replacement) for d in plan.directives)
+            assert rec["splice_prefilled_tokens"] == sum(len(d.replacement) for d in plan.directives)
     assert detail["splice_misses"] == 0 and detail["turns"] == len(turns)
 
 
@@ -352,7 +353,7 @@ def test_streaming(splice_proxy: str, turns: list[list[dict[str, Any]]]) -> None
     assert chunks and all(c.usage is None for c in chunks) and any(c.choices for c in chunks)
     rec = session_detail(splice_proxy, sid)["records"][2]
     assert rec["prompt_tokens"] == len(plans[2].tokens)
-    assert rec["cached_tokens"] == rec["prompt_tokens"] - len(plans[2].tail)
+    assert rec["server_cached_tokens"] == rec["prompt_tokens"] - len(plans[2].tail)
     assert rec["ttft_ms"] is not None
 
 
@@ -448,8 +449,9 @@ def test_registry_resolution_order() -> None:
 def test_registry_drops_the_least_recently_used_and_keeps_its_counters() -> None:
     reg = SessionRegistry(_core, max_sessions=2)
     a = reg.resolve([], header="a")
-    a.core.records.append(TurnRecord(turn=0, prompt_tokens=10, cached_tokens=4,
-                                     prefilled_tokens=6, best_cached_tokens=4))  # fmt: skip
+    a.core.records.append(TurnRecord(turn=0, prompt_tokens=10, server_cached_tokens=4,
+                                     prefilled_tokens=6, reused_tokens=4,
+                                     best_reused_tokens=4))  # fmt: skip
     reg.resolve([], header="b")
     reg.resolve([], header="c")
     assert reg.get("a") is None and {s.id for s in reg.sessions()} == {"b", "c"}
@@ -462,8 +464,8 @@ def test_metrics_text_parses() -> None:
     s = reg.resolve([], header='odd"id')
     assert s.id == "odd%22id"  # header names are percent-escaped in public ids
     s.core.records.append(
-        TurnRecord(turn=0, prompt_tokens=100, cached_tokens=90, prefilled_tokens=10,
-                   best_cached_tokens=90, directives_amortize=2, edited=True,
+        TurnRecord(turn=0, prompt_tokens=100, server_cached_tokens=90, prefilled_tokens=10,
+                   reused_tokens=90, best_reused_tokens=90, directives_amortize=2, edited=True,
                    splice_error="409: not cached", splice_ms=3.5, request_ms=20.0)
     )  # fmt: skip
     text = metrics.render(reg)

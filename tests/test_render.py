@@ -7,8 +7,10 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from leyline_agent.render import Renderer, load_renderer, sglang_messages, sglang_tools
 
+from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.chat.render import Renderer
+from leyline_agent.chat.sglang import sglang_messages, sglang_tools
 from leyline_agent.embedded.model import default_model_dir
 
 TOOLS = [
@@ -314,7 +316,7 @@ def test_model_dir_template_sources(tmp_path: Path) -> None:
     assert r.render_text([], TOOLS) == "T"
     (model / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert Renderer(r.tokenizer, "x").render_text([]) == "x"
-    from leyline_agent.render import _load
+    from leyline_agent.chat.model_dir import _load
 
     _load.cache_clear()
     assert load_renderer(model).render_text([{"role": "user", "content": ""}]) == "J1"
@@ -345,7 +347,7 @@ def test_unstable_template_spans_still_tile(tmp_path: Path) -> None:
 
 
 def test_template_environment_matches_transformers() -> None:
-    from leyline_agent.chat import compile_template
+    from leyline_agent.chat.template import compile_template
 
     t = compile_template(
         "{% for m in messages %}{% generation %}{{ m | tojson(indent=1, sort_keys=true) }}"

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from shared_data import traces_dir
 
 from leyline_agent import ConversationWrapper
-from leyline_agent.render import Renderer, load_renderer
-from leyline_agent.render_cache import IncrementalRenderer, cut_token_ids, is_local
+from leyline_agent.chat.locality import cut_token_ids, is_local
+from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.chat.render import Renderer
+from leyline_agent.chat.render_cache import IncrementalRenderer
 from leyline_agent.traces import Trace, load
 from leyline_agent.wrapper import _clean
 
@@ -132,13 +134,12 @@ def test_wrapper_plans_equal_full_plans(renderer: Renderer, traces: list[Trace],
         full = ConversationWrapper(renderer, policy, incremental=False)
         for messages in trace.turns:
             a, b = inc.plan(messages, trace.tools), full.plan(messages, trace.tools)
-            assert (a.tokens, a.spans, a.directives, a.tail, a.fallback, a.exact) == (
+            assert (a.tokens, a.spans, a.directives, a.tail, a.fallback) == (
                 b.tokens,
                 b.spans,
                 b.directives,
                 b.tail,
                 b.fallback,
-                b.exact,
             )
             inc.commit(a)
             full.commit(b)

@@ -18,9 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-from leyline_agent.render import Renderer, load_renderer
 from test_proxy import TOOLS, agent_conversation, new_id, serve_proxy, session_detail
 
+from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.chat.render import Renderer
 from leyline_agent.chat.request import final_assistant, template_kwargs
 from leyline_agent.embedded.model import default_model_dir
 from leyline_agent.wrapper import ConversationWrapper
@@ -325,7 +326,7 @@ def test_unfollowed_generation_prompt_is_a_prefix_hit(proxy: str) -> None:
     assert r.status_code == 200
     a, b = session_detail(proxy, sid)["records"]
     assert (b["edited"], b["spliced"], b["directives_amortize"]) == (False, False, 0)
-    assert (a["prompt_tokens"], b["cached_tokens"], b["best_cached_tokens"]) == (25, 23, 23)
+    assert (a["prompt_tokens"], b["server_cached_tokens"], b["best_reused_tokens"]) == (25, 23, 23)
 
 
 def test_wrapper_reuses_the_prefix_before_the_opener() -> None:
@@ -334,7 +335,8 @@ def test_wrapper_reuses_the_prefix_before_the_opener() -> None:
     first = wrapper.plan([SYS, USER])
     wrapper.commit(first)
     plan = wrapper.plan([SYS, USER, {"role": "user", "content": "Again."}])
-    assert (plan.directives, plan.base_len, plan.dropped, plan.exact) == ([], 23, 2, True)
+    assert (plan.directives, plan.base_len, plan.dropped) == ([], 23, 2)
+    assert wrapper.tokens[: plan.base_len] + plan.tail == plan.tokens
     assert plan.tokens[:23] == first.tokens[:23] and plan.tail == plan.tokens[23:]
     wrapper.commit(plan)
     assert wrapper.tokens == plan.tokens

@@ -13,6 +13,7 @@ import pytest
 from shared_data import shared_dir
 
 from leyline_agent.client import LeylineClient
+from leyline_agent.directive import apply_directives
 from leyline_agent.policies import parse_policy
 from leyline_agent.replay import ARMS, DEFAULT_POLICY, examples_dir
 from leyline_agent.replay.report import arm_totals, git_commit, plot, summarize, table
@@ -46,8 +47,12 @@ def test_examples_are_realistic_tool_sessions() -> None:
         wrapper = ConversationWrapper(None, DEFAULT_POLICY)
         edited = 0
         for messages in trace.turns:
+            old = wrapper.tokens
             plan = wrapper.plan(messages, trace.tools)
-            assert plan.exact
+            assert (
+                apply_directives(old[: plan.base_len], plan.directives) + plan.tail == plan.tokens
+            )
+            assert not plan.fallback
             edited += bool(plan.directives)
             wrapper.commit(plan)
         assert edited >= 3, f"{trace.name}: the policy edits only {edited} turns"

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from test_proxy import POLICY, TOOLS, agent_conversation, expected_plans
 
-from leyline_agent.session import LeylineSession, chat_request_view
+from leyline_agent.api import LeylineSession
+from leyline_agent.chat.openai import chat_request_view
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_chat_splices_and_caches_every_token_before_the_new_turn(
         if t >= 1:
             assert cached == prompt - len(plan.tail), (t, prompt, cached, len(plan.tail))
         rec = session.records[-1]
-        assert (rec.prompt_tokens, rec.cached_tokens) == (prompt, cached)
+        assert (rec.prompt_tokens, rec.server_cached_tokens) == (prompt, cached)
         assert rec.edited == bool(plan.directives) == rec.spliced
         assert rec.splice_error is None
     assert [r.edited for r in session.records] == [False] * 3 + [True] * 3
@@ -49,8 +50,8 @@ def test_chat_without_splice_reprefills_from_the_first_edit(
     rec, plan = session.records[-1], plans[-1]
     assert rec.edited and not rec.spliced
     first_edit = min(d.start for d in plan.directives)
-    assert rec.cached_tokens <= first_edit < rec.prompt_tokens - len(plan.tail)
-    assert rec.cached_tokens == rec.best_cached_tokens
+    assert rec.server_cached_tokens <= first_edit < rec.prompt_tokens - len(plan.tail)
+    assert rec.server_cached_tokens == rec.best_reused_tokens
 
 
 def test_request_view_is_what_sglang_templates() -> None:

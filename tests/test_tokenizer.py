@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.embedded import tokenizer as tk
 from leyline_agent.embedded.model import default_model_dir
-from leyline_agent.render import load_renderer
 
 tiktoken = pytest.importorskip("tiktoken")
 

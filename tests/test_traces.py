@@ -225,7 +225,14 @@ def test_trace_check_edits_anthropic_tool_results(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary == {"traces": 1, "turns": 5, "exact": 5, "edited_turns": 2, "directives": 2}
+    assert summary == {
+        "traces": 1,
+        "turns": 5,
+        "edited_turns": 2,
+        "directives": 2,
+        "fallback": 0,
+        "errors": 0,
+    }
     assert f"skipped {tmp_path / 'notes.md'}: not a .traj/.json/.jsonl file" in result.output
     assert f"skipped {tmp_path / 'broken.json'}: not a SWE-agent .traj" in result.output
 

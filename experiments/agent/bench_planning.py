@@ -31,7 +31,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from leyline_agent.render import Renderer, load_renderer
+from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.chat.render import Renderer
 from leyline_agent.traces import Trace, load
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 

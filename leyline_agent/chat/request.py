@@ -20,14 +20,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from leyline_agent.messages import content_text, is_text_parts
+
 ROLES = ("system", "developer", "user", "assistant", "tool", "function", "latest_reminder", "root")
-
-
-def _text_parts(content: Any) -> bool:
-    return isinstance(content, list) and all(
-        isinstance(p, str) or (isinstance(p, dict) and p.get("type") in ("text", "input_text"))
-        for p in content
-    )
+_FINAL_TEXT_TYPES = ("text", "input_text")  # what makes a final assistant message text
 
 
 def _message_error(k: int, m: Any) -> str | None:
@@ -127,10 +123,8 @@ def final_assistant(
     if not out or out[-1].get("role") != "assistant":
         return out, None
     content = out[-1].get("content")
-    if content is None:
-        content = ""
-    elif _text_parts(content):
-        content = " ".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content)
+    if content is None or is_text_parts(content, _FINAL_TEXT_TYPES):
+        content = content_text(content, _FINAL_TEXT_TYPES)
     if not isinstance(content, str):
         return out, None
     if continue_final_message:

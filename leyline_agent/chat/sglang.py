@@ -7,36 +7,23 @@ itself in ``tests/test_render.py`` where the sglang extra is installed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from leyline_agent.messages import content_text, is_text_parts, served_content, tool_call_arguments
+
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
-
-
-def _text_parts_only(content: Any) -> bool:
-    return isinstance(content, list) and all(
-        isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text") for p in content
-    )
 
 
 def _sglang_tool_call(call: Any) -> Any:
     if not isinstance(call, dict):
         return call
-    fn = dict(call.get("function") or {})
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except json.JSONDecodeError:
-            parsed = None
-        if isinstance(parsed, dict):
-            fn["arguments"] = parsed
+    fn = call.get("function") or {}
     return {
         "id": call.get("id"),
         "index": call.get("index"),
         "type": call.get("type", "function"),
-        "function": {"name": fn.get("name"), "arguments": fn.get("arguments")},
+        "function": {"name": fn.get("name"), "arguments": tool_call_arguments(call, True)},
     }
 
 
@@ -56,12 +43,9 @@ def sglang_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
             m = {"role": "user", "content": m.get("content")}
         if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
             m["tool_calls"] = [_sglang_tool_call(c) for c in m["tool_calls"]]
-        if m.get("content") is None:
-            m["content"] = ""
-        if m.get("role") == "tool" and _text_parts_only(m["content"]):
-            m["content"] = " ".join(
-                p if isinstance(p, str) else p.get("text", "") for p in m["content"]
-            )
+        m["content"] = served_content(m)
+        if m.get("role") == "tool" and is_text_parts(m["content"]):
+            m["content"] = content_text(m["content"])
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 

@@ -88,9 +88,9 @@ def replay(
     from pydantic import ValidationError
     from rich.console import Console
 
+    from leyline_agent.chat.model_dir import load_renderer
     from leyline_agent.client import LeylineClient
     from leyline_agent.policies import PolicyError, parse_policy
-    from leyline_agent.render import load_renderer
     from leyline_agent.replay import examples_dir, report
     from leyline_agent.replay.runner import ReplaySpec, replay, total_turns
     from leyline_agent.traces import TraceFormatError, load

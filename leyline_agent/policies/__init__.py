@@ -7,25 +7,19 @@ entry-point group. See ``docs/policies.md``.
 
 from __future__ import annotations
 
-from leyline_agent.policies.base import (
+from leyline_agent.messages import OBSERVATION_KEY, is_observation, message_text
+from leyline_agent.policies.edits import EditResult, apply_edits
+from leyline_agent.policies.none import NonePolicy
+from leyline_agent.policies.observation_window import ObservationWindow
+from leyline_agent.policies.protocol import Conversation, Edit, Policy, PolicyError
+from leyline_agent.policies.redact import Redact
+from leyline_agent.policies.registry import (
     ENTRY_POINT_GROUP,
-    OBSERVATION_KEY,
-    Conversation,
-    Edit,
-    EditResult,
-    Policy,
-    PolicyError,
-    apply_edits,
     available_policies,
     get_policy,
-    is_observation,
-    message_text,
     parse_policy,
     register_policy,
 )
-from leyline_agent.policies.none import NonePolicy
-from leyline_agent.policies.observation_window import ObservationWindow
-from leyline_agent.policies.redact import Redact
 from leyline_agent.policies.stale_tool_outputs import StaleToolOutputs
 from leyline_agent.policies.token_budget import TokenBudget
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from leyline_agent.policies.base import Conversation, Edit, register_policy
+from leyline_agent.policies.protocol import Conversation, Edit
+from leyline_agent.policies.registry import register_policy
 
 
 @register_policy("none")

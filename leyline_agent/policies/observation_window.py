@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from leyline_agent.policies.base import Conversation, Edit, register_policy
+from leyline_agent.policies.protocol import Conversation, Edit, check_template
+from leyline_agent.policies.registry import register_policy
 
 DEFAULT_PLACEHOLDER = "Old environment output: ({lines} lines omitted)"
 
@@ -28,11 +29,7 @@ class ObservationWindow(BaseModel):
     @field_validator("placeholder")
     @classmethod
     def _check_placeholder(cls, v: str) -> str:
-        try:
-            v.format(lines=1)
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"placeholder {v!r} may only use {{lines}}: {e}") from e
-        return v
+        return check_template(v, lines=1)
 
     def __call__(self, conversation: Conversation) -> list[Edit]:
         obs = conversation.observations

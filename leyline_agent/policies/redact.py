@@ -13,7 +13,8 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from leyline_agent.directive import Mode
-from leyline_agent.policies.base import Conversation, Edit, register_policy
+from leyline_agent.policies.protocol import Conversation, Edit
+from leyline_agent.policies.registry import register_policy
 
 
 @register_policy("redact")

@@ -13,31 +13,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from leyline_agent.directive import Mode
-from leyline_agent.policies.base import Conversation, Edit, register_policy
-
-DEFAULT_STUB = "[evicted: {n} old tool outputs]"
-
-
-def check_stub(stub: str) -> str:
-    """Validate a stub template: it may use ``{n}`` and nothing else."""
-    try:
-        stub.format(n=1)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"stub {stub!r} may only use the placeholder {{n}}: {e}") from e
-    return stub
-
-
-def stub_edits(
-    conversation: Conversation, groups: list[list[int]], stub: str, reason: str
-) -> list[Edit]:
-    """Edits that evict each group of observations (one agent step's outputs) behind one stub."""
-    edits = []
-    for group in groups:
-        text = stub.format(n=len(group))
-        edits.append(Edit(index=group[0], replacement=text, mode=Mode.AMORTIZE, reason=reason))
-        edits += [Edit(index=i, replacement="", reason=reason) for i in group[1:]]
-    return edits
+from leyline_agent.policies.protocol import Conversation, Edit, check_template
+from leyline_agent.policies.registry import register_policy
+from leyline_agent.policies.stubs import DEFAULT_STUB, stub_edits
 
 
 @register_policy("stale_tool_outputs")
@@ -52,7 +30,7 @@ class StaleToolOutputs(BaseModel):
     @field_validator("stub")
     @classmethod
     def _check_stub(cls, v: str) -> str:
-        return check_stub(v)
+        return check_template(v, n=1)
 
     def __call__(self, conversation: Conversation) -> list[Edit]:
         last_stale = conversation.num_steps - self.keep_last

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from leyline_agent.policies.base import Conversation, Edit, register_policy
-from leyline_agent.policies.stale_tool_outputs import DEFAULT_STUB, check_stub, stub_edits
+from leyline_agent.policies.protocol import Conversation, Edit, check_template
+from leyline_agent.policies.registry import register_policy
+from leyline_agent.policies.stubs import DEFAULT_STUB, stub_edits
 
 
 @register_policy("token_budget")
@@ -30,7 +31,7 @@ class TokenBudget(BaseModel):
     @field_validator("stub")
     @classmethod
     def _check_stub(cls, v: str) -> str:
-        return check_stub(v)
+        return check_template(v, n=1)
 
     def __call__(self, conversation: Conversation) -> list[Edit]:
         total = conversation.total_tokens

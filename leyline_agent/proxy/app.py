@@ -56,6 +56,8 @@ import jinja2
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
 from leyline_agent.chat.request import max_new_tokens, request_error, template_kwargs
 from leyline_agent.client import LeylineClient, auth_headers
 from leyline_agent.directive import DirectiveError
@@ -68,16 +70,7 @@ from leyline_agent.proxy.sessions import (
     SessionRegistry,
     TraceRecorder,
 )
-from leyline_agent.render import load_renderer
-from leyline_agent.session import (
-    Pending,
-    RequestRefused,
-    SessionCore,
-    TurnRecord,
-    chat_request_view,
-    pop_prompt_ids,
-    read_usage,
-)
+from leyline_agent.session import Pending, RequestRefused, SessionCore, TurnRecord
 from leyline_agent.wrapper import ConversationWrapper
 
 log = logging.getLogger(__name__)

@@ -35,9 +35,9 @@ import httpx
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from leyline_agent.chat.render import Renderer
 from leyline_agent.client import LeylineClient
 from leyline_agent.policies import Policy, PolicyError, parse_policy
-from leyline_agent.render import Renderer
 from leyline_agent.replay import ARMS, DEFAULT_POLICY, Arm
 from leyline_agent.session import SessionCore, TurnRecord
 from leyline_agent.traces import Trace

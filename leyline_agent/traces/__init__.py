@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from leyline_agent.policies.base import OBSERVATION_KEY, message_text
+from leyline_agent.messages import OBSERVATION_KEY, content_text, tool_call_arguments
 
 Message = dict[str, Any]
 
@@ -76,7 +76,7 @@ def normalize_message(raw: Mapping[str, Any]) -> Message:
             raise TraceFormatError("tool_result blocks: read the list with normalize_messages")
         calls += [_tool_use(b) for b in content if _block_type(b) == "tool_use"]
         texts = [b for b in content if _block_type(b) == "text"]
-        content = message_text({"content": texts}) if texts or not calls else None
+        content = content_text(texts) if texts or not calls else None
     msg: Message = {"role": role, "content": content}
     if calls:
         msg["tool_calls"] = calls
@@ -110,7 +110,7 @@ def _tool_use(block: Mapping[str, Any]) -> dict[str, Any]:
 def _result_text(block: Mapping[str, Any]) -> str:
     content = block.get("content")
     if isinstance(content, list):
-        return message_text({"content": content})
+        return content_text(content)
     return "" if content is None else str(content)
 
 
@@ -149,9 +149,7 @@ def normalize_messages(
                 out.append(msg)
             texts = [b for b in content if _block_type(b) == "text"]
             if texts:
-                out.append(
-                    {"role": raw.get("role", "user"), "content": message_text({"content": texts})}
-                )
+                out.append({"role": raw.get("role", "user"), "content": content_text(texts)})
             continue
         msg = normalize_message(raw)
         for call in msg.get("tool_calls", ()):
@@ -179,13 +177,9 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str,
 def _tool_call(raw: Mapping[str, Any]) -> dict[str, Any]:
     fn = raw.get("function", raw)
     args = fn.get("arguments", {})
-    call = {
-        "type": "function",
-        "function": {
-            "name": fn.get("name"),
-            "arguments": args if isinstance(args, str) else json.dumps(args),
-        },
-    }
+    if not isinstance(args, str):  # a recorded string stays as the agent wrote it
+        args = tool_call_arguments({"function": {"arguments": args}}, as_object=False)
+    call = {"type": "function", "function": {"name": fn.get("name"), "arguments": args}}
     if raw.get("id") is not None:
         call["id"] = raw["id"]
     return call

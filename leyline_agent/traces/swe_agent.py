@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from leyline_agent.policies.base import OBSERVATION_KEY
+from leyline_agent.messages import OBSERVATION_KEY
 from leyline_agent.traces import Trace, TraceFormatError, normalize_messages, turns_at_assistant
 
 

@@ -4,16 +4,8 @@ The template is a Hugging Face chat template (jinja2), rendered the way transfor
 (``leyline_agent.chat.template``; the special tokens are template variables) after normalising
 messages and tools as SGLang's chat endpoint does (``leyline_agent.chat.sglang``); the whole prompt
 string is then encoded at once without adding special tokens, as the server does. No transformers
-import.
-
-Message spans: message ``k`` owns the characters from where the rendering of ``messages[:k]``
-stops agreeing with the full rendering to where that of ``messages[:k+1]`` does (where the shorter
-rendering diverges, no later than where a probe message in ``k``'s place does; and never inside a
-message's content, as found in order in the full text), and the tokens whose first character
-falls there. Spans tile the prompt: the tokens before ``spans[0]`` are the
-template's preamble, those after ``spans[-1]`` the generation prompt. A token that straddles a
-boundary belongs to the message it starts in. The spans are a best effort for templates that render
-a message differently depending on what follows; nothing downstream relies on them for correctness.
+import. Message spans are defined in ``chat.spans``; a model directory is loaded by
+``chat.model_dir.load_renderer``.
 
 A full render costs one template rendering per message prefix; ``render_cache.IncrementalRenderer``
 returns the same result re-rendering and re-encoding only what changed since an earlier render.
@@ -21,132 +13,25 @@ returns the same result re-rendering and re-encoding only what changed since an 
 
 from __future__ import annotations
 
-import json
-from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from functools import cached_property, lru_cache
-from pathlib import Path
-from sys import maxsize
-from typing import Any, NamedTuple
+from functools import cached_property
+from typing import Any
 
 import jinja2
 from tokenizers import Tokenizer
 
+from leyline_agent.chat.locality import cut_token_ids, is_local
 from leyline_agent.chat.sglang import sglang_messages, sglang_tools
+from leyline_agent.chat.spans import (
+    Message,
+    Rendered,
+    clamp_to_contents,
+    common_prefix_len,
+    token_spans,
+)
 from leyline_agent.chat.template import compile_template
 
-Message = Mapping[str, Any]
 _PROBE = "\ue000"  # a private-use character no real message starts with
-
-_SPECIAL_TOKEN_VARS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
-
-
-class Rendered(NamedTuple):
-    """A rendered prompt.
-
-    tokens: the prompt's token ids.
-    spans: ``(start, end)`` token span of every message, in order; contiguous
-        (``spans[k][1] == spans[k + 1][0]``).
-    text: the prompt string the tokens encode.
-    """
-
-    tokens: list[int]
-    spans: list[tuple[int, int]]
-    text: str = ""
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    if b.startswith(a):
-        return len(a)
-    lo, hi = 0, min(len(a), len(b))  # invariant: a[:lo] == b[:lo], a[:hi+1] != b[:hi+1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _content_text(message: Message) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
-
-
-class Found(NamedTuple):
-    """Where a message's content was found in the prompt text (``at < 0``: not found).
-
-    need: the text must agree up to here for a search from the same position to find the same
-        (``end`` for a verbatim match; past any text for a stripped match or none).
-    """
-
-    at: int
-    end: int
-    need: int
-
-
-def content_positions(messages: Sequence[Message], text: str, pos: int = 0) -> list[Found | None]:
-    """Each message's content found in ``text`` in order from ``pos`` (stripped where the verbatim
-    content is absent); None for an empty content."""
-    found: list[Found | None] = []
-    for m in messages:
-        c = _content_text(m)
-        if not c:
-            found.append(None)
-            continue
-        at = text.find(c, pos)
-        if at >= 0:
-            found.append(Found(at, at + len(c), at + len(c)))
-        else:
-            c = c.strip()
-            at = text.find(c, pos) if c else -1
-            found.append(Found(at, at + len(c), maxsize) if at >= 0 else Found(-1, -1, maxsize))
-        if at >= 0:
-            pos = at + len(c)
-    return found
-
-
-def clamp_bounds(
-    bounds: list[int], found: Sequence[Found | None], text_len: int, start: int = 0
-) -> None:
-    """``clamp_to_contents`` on precomputed ``content_positions``, from boundary ``start`` on."""
-    for k in range(start, len(bounds)):
-        prev = found[k - 1] if k else None
-        lo = prev.end if prev is not None and prev.at >= 0 else 0
-        cur = found[k] if k < len(found) else None
-        hi = cur.at if cur is not None and cur.at >= 0 else text_len
-        if k:
-            lo = max(lo, bounds[k - 1])
-        bounds[k] = min(max(bounds[k], lo), max(hi, lo))
-
-
-def clamp_to_contents(bounds: list[int], messages: Sequence[Message], text: str) -> None:
-    """Keep each boundary between the previous message's content and the next one's.
-
-    Where a template renders a message differently depending on what follows, the prefix
-    renderings disagree with the full one early and the boundaries collapse; the contents,
-    found in order in the full text, bound them (contents the template altered are skipped).
-    """
-    clamp_bounds(bounds, content_positions(messages, text), len(text))
-
-
-def token_spans(starts: Sequence[int], bounds: Sequence[int]) -> list[tuple[int, int]]:
-    """Token span of every message: the tokens whose first character (``starts``, sorted) falls
-    between consecutive character ``bounds``."""
-    at = [bisect_left(starts, b) for b in bounds]
-    return [(at[k], at[k + 1]) for k in range(len(bounds) - 1)]
 
 
 class Renderer:
@@ -184,8 +69,6 @@ class Renderer:
     def incremental_checks(self) -> tuple[bool, frozenset[int]]:
         """Whether the chat template is local, and the special tokens after which a text can be
         encoded in two pieces: what ``IncrementalRenderer`` may reuse (computed once)."""
-        from leyline_agent.render_cache import cut_token_ids, is_local
-
         return is_local(self), cut_token_ids(self.tokenizer)
 
     def _template(self, tools: Sequence[Any] | None) -> jinja2.Template:
@@ -300,7 +183,7 @@ class Renderer:
             if prefix is None:
                 bounds[k] = len(text) if k == n else b
                 continue
-            lcp = _common_prefix_len(prefix, text)
+            lcp = common_prefix_len(prefix, text)
             if lcp < len(prefix) and k < n:
                 # The shorter rendering diverges (a default system prompt, a block closed only
                 # after the last message): the agreement may run on into message k's content by
@@ -310,7 +193,7 @@ class Renderer:
                     probe["tool_call_id"] = messages[k]["tool_call_id"]
                 probed = render_prefix(k, probe)
                 if probed is not None:
-                    lcp = min(lcp, _common_prefix_len(probed, text))
+                    lcp = min(lcp, common_prefix_len(probed, text))
             bounds[k] = max(b, lcp)
         return bounds
 
@@ -325,74 +208,3 @@ class Renderer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens kept)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | dict[str, str]:
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template") or _read_json(model_dir / "chat_template.json").get(
-        "chat_template"
-    )
-    if isinstance(template, list):
-        return {t["name"]: t["template"] for t in template}
-    if not isinstance(template, str) or not template:
-        raise ValueError(
-            f"{model_dir}: no chat template (looked for chat_template.jinja, "
-            "tokenizer_config.json's chat_template, chat_template.json)"
-        )
-    return template
-
-
-@lru_cache(maxsize=8)
-def _load(model_dir: str, sglang_compat: bool) -> Renderer:
-    path = Path(model_dir)
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise FileNotFoundError(
-            f"{path}: no tokenizer.json (Leyline needs a fast tokenizer saved by transformers)"
-        )
-    config = _read_json(path / "tokenizer_config.json")
-    specials = _read_json(path / "special_tokens_map.json")
-    template_vars: dict[str, Any] = {}
-    for name in _SPECIAL_TOKEN_VARS:
-        value = _token_str(config.get(name)) or _token_str(specials.get(name))
-        if value is not None:
-            template_vars[name] = value
-    return Renderer(
-        Tokenizer.from_file(str(tokenizer_file)),
-        _chat_template(path, config),
-        template_vars,
-        source=str(path),
-        sglang_compat=sglang_compat,
-    )
-
-
-def load_renderer(model_path: str | Path | None = None, *, sglang_compat: bool = True) -> Renderer:
-    """The renderer of a model directory, or of the embedded default model (``None``).
-
-    A model directory needs ``tokenizer.json`` and a chat template (``chat_template.jinja``,
-    ``tokenizer_config.json``'s ``chat_template``, or ``chat_template.json``). Loaded renderers
-    are cached per directory (loading a 200k-token vocabulary takes about 2 s). With
-    ``sglang_compat`` (default) messages and tools are normalised as SGLang's chat endpoint does
-    before the template sees them (see ``sglang_messages``), so the tokens equal the server's.
-
-    Raises:
-        FileNotFoundError: no ``tokenizer.json``.
-        ValueError: no chat template.
-    """
-    if model_path is None:
-        from leyline_agent.tokenizer import default_tokenizer_dir
-
-        model_path = default_tokenizer_dir()
-    return _load(str(Path(model_path).resolve()), sglang_compat)

@@ -1,0 +1,99 @@
+"""The in-process API for Python agent loops: ``LeylineSession``, one chat turn at a time through
+``SessionCore`` (the code path the proxy and ``leyline replay`` share)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
+from leyline_agent.chat.request import template_kwargs
+from leyline_agent.client import LeylineClient
+from leyline_agent.session import SessionCore, TurnRecord
+from leyline_agent.wrapper import ConversationWrapper
+
+
+class LeylineSession:
+    """In-process API for Python agent loops.
+
+    ``LeylineSession(base_url="http://127.0.0.1:30000", policy="stale_tool_outputs:keep_last=2")``
+    then ``session.chat(messages, tools=tools, max_tokens=64)`` returns the backend's OpenAI-style
+    chat completion (a dict) with ``usage.prompt_tokens_details.cached_tokens`` filled in.
+
+    Args:
+        base_url: a Leyline-enabled SGLang server (``leyline serve``), without ``/v1``.
+        policy: a policy or spec string.
+        model_path: model directory whose chat template the server uses (None: embedded default).
+        splice: False sends the edited request without directives (re-prefill).
+        api_key: the server's key (``leyline serve --api-key``).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        policy: Any = "none",
+        *,
+        model: str | None = None,
+        model_path: str | None = None,
+        session_id: str | None = None,
+        splice: bool = True,
+        timeout: float = 600.0,
+        api_key: str | None = None,
+    ) -> None:
+        self.client = LeylineClient(base_url, timeout=timeout, api_key=api_key)
+        self.model = model or "default"
+        self.core = SessionCore(
+            self.client,
+            ConversationWrapper(model_path, policy),
+            session_id=session_id,
+            splice=splice,
+        )
+
+    @property
+    def records(self) -> list[TurnRecord]:
+        return self.core.records
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        """Send one turn. Raises ``httpx.HTTPStatusError`` when the backend answers an error
+        (a turn whose splice ran is still recorded, with its ``error``)."""
+        cont = bool(sampling.get("continue_final_message"))
+        self.core.set_cache_salt(sampling.get("cache_salt"))
+        view = chat_request_view(messages, tools, sampling.get("tool_choice"), cont)
+        pending = self.core.begin(
+            *view, template_kwargs=template_kwargs(sampling), continue_final=cont
+        )
+        body: dict[str, Any] = {"model": sampling.pop("model", self.model), **sampling}
+        body["return_prompt_token_ids"] = True
+        t0 = time.perf_counter()
+        r = self.client.http.post("/v1/chat/completions", json=self.core.chat_body(pending, body))
+        request_ms = (time.perf_counter() - t0) * 1e3
+        if r.status_code != 200 and pending.committed:
+            self.core.finish(
+                pending,
+                prompt_tokens=0,
+                cached_tokens=0,
+                request_ms=request_ms,
+                messages=messages,
+                error=f"backend {r.status_code}",
+                prefilled=False,
+            )
+        r.raise_for_status()
+        data = r.json()
+        ids = pop_prompt_ids(data, keep=bool(sampling.get("return_prompt_token_ids")))
+        prompt, cached = read_usage(data, len(pending.plan.tokens))
+        self.core.finish(
+            pending,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            request_ms=request_ms,
+            messages=messages,
+            prompt_ids=ids,
+            completion_tokens=data["usage"].get("completion_tokens"),
+        )
+        return data

@@ -1,0 +1,90 @@
+"""The client's side of a chat-completions exchange: the request as the server's template will see
+it, and what to read back from the response (prompt token ids, usage).
+
+``chat_request_view`` is the request view the proxy and ``LeylineSession`` plan on and send;
+``chat.sglang`` is the view SGLang hands its chat template. The first is a fixed point of the
+second's normalisation, so both sides render the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from leyline_agent.chat.request import final_assistant
+from leyline_agent.chat.sglang import sglang_tools
+from leyline_agent.messages import served_content, tool_call_arguments
+
+
+def served_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """``message`` with ``content: None`` as ``""`` and every tool call's JSON-object
+    ``arguments`` re-serialised as the template's ``tojson`` writes them."""
+    out = dict(message)
+    out["content"] = served_content(out)
+    if isinstance(out.get("tool_calls"), list):
+        calls = []
+        for call in out["tool_calls"]:
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+                call = {**call, "function": {**fn, "arguments": tool_call_arguments(call, False)}}
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
+
+
+def chat_request_view(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any = None,
+    continue_final_message: bool = False,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools of a chat request as SGLang's chat template will see them.
+
+    SGLang (0.5.x) passes every tool through its pydantic ``Tool`` model before templating (which
+    adds ``"defer_loading": null``, ``description``/``parameters`` when absent, and drops unknown
+    keys), parses tool-call ``arguments`` strings into objects that the template re-serialises
+    with ``tojson``, renders no tools under ``tool_choice="none"`` and only the named one under a
+    named ``tool_choice``, and renders a final assistant message with text content as a user
+    turn (unless ``continue_final_message``: ``SessionCore.begin(continue_final=True)``).
+    Planning on the raw request would give other tokens than the server's prompt (every splice
+    would then miss). This view is a fixed point of that normalisation: send it and render it,
+    and both sides agree. Semantics are unchanged.
+    """
+    if tools and tool_choice == "none":
+        tools = None
+    elif tools and isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        tools = [t for t in tools if (t.get("function") or {}).get("name") == name] or None
+    served = [served_message(m) for m in messages]
+    if not continue_final_message:
+        served = final_assistant(served)[0]
+    return served, sglang_tools(tools)
+
+
+def pop_prompt_ids(data: dict[str, Any], keep: bool = False) -> list[int] | None:
+    """The prompt token ids of a non-streamed chat completion asked with
+    ``return_prompt_token_ids`` (SGLang 0.5.23 puts them in every choice, as
+    ``choices[i].prompt_token_ids``), removed from ``data`` unless ``keep``."""
+    ids: list[int] | None = None
+    for choice in data.get("choices") or []:
+        if isinstance(choice, dict) and isinstance(choice.get("prompt_token_ids"), list):
+            ids = ids if ids is not None else list(choice["prompt_token_ids"])
+            if not keep:
+                del choice["prompt_token_ids"]
+    return ids
+
+
+def read_usage(data: dict[str, Any], default_prompt: int) -> tuple[int, int]:
+    """``(prompt_tokens, cached_tokens)`` of a chat completion (or its streamed usage chunk).
+
+    Fills ``usage.prompt_tokens_details.cached_tokens`` in place (0 when the backend did not
+    report it, e.g. SGLang without ``--enable-cache-report``); ``default_prompt`` stands in for a
+    missing ``usage.prompt_tokens``.
+    """
+    usage = data.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens", default_prompt))
+    details = usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    usage["prompt_tokens_details"] = {**details, "cached_tokens": cached}
+    data["usage"] = usage
+    return prompt, cached

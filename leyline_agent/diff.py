@@ -1,0 +1,236 @@
+"""Turn planning's pure half: the directives that turn the previous prompt into this one.
+
+Given the previous turn's messages and prompt (what the server holds) and this turn's rendered
+messages, the result is a set of directives on the old tokens plus a tail of new tokens, with
+``apply_directives(old, directives) + tail == tokens`` exactly. ``wrapper.ConversationWrapper``
+runs the policy, renders and calls this.
+
+Diff rule (``diff_rendered``):
+
+1. Align old and new messages (difflib on the messages themselves). Messages appended at the end
+   are the tail's; the old generation prompt (``<|im_start|>assistant\\n``) is kept as far as it
+   agrees with the start of what follows it now.
+2. Aligned messages map old token ranges (their spans) to new ones, message by message where
+   the counts allow. An unchanged message whose tokens nonetheless differ (a template that
+   re-renders earlier messages differently) counts as changed and sets ``fallback``; so does a
+   changed preamble (unless the tools changed).
+3. Each changed range is trimmed by its longest common token prefix and suffix and becomes one
+   directive that touches only the differing tokens (directives that touch merge). Its mode is
+   the strongest mode of the policy edits behind it (``old_modes``/``new_modes``); a change no
+   edit made (the agent rewrote a message) gets ``default_mode``.
+4. The result is verified; if it ever failed, one directive from the first differing token
+   replaces the rest (``fallback``), which is exact by construction.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+from leyline_agent.chat.spans import Rendered
+from leyline_agent.directive import Directive, Mode, sort_and_check
+
+Opcode = tuple[Literal["replace", "delete", "insert", "equal"], int, int, int, int]
+
+
+class Diff(NamedTuple):
+    """Directives on the old tokens plus the appended tail.
+
+    fallback: some tokens differed where the messages did not (template instability or changed
+        tools), or the span alignment failed and one covering directive was used.
+    """
+
+    directives: list[Directive]
+    tail: list[int]
+    fallback: bool
+
+
+class _Region(NamedTuple):
+    old_start: int
+    old_end: int
+    new_start: int
+    new_end: int
+    mode: Mode | None  # None: unchanged tokens
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _common_suffix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    i = 0
+    while i < limit and a[len(a) - 1 - i] == b[len(b) - 1 - i]:
+        i += 1
+    return i
+
+
+def diff_tokens(old: Sequence[int], new: Sequence[int], mode: Mode = Mode.AMORTIZE) -> Diff:
+    """Token-only diff: keep the common prefix, one directive drops the rest of ``old``.
+
+    For callers without message spans. ``fallback`` is set when ``old`` is not a prefix of
+    ``new``.
+    """
+    p = _common_prefix(old, new)
+    if p == len(old):
+        return Diff([], list(new[p:]), False)
+    return Diff([Directive(start=p, end=len(old), mode=mode)], list(new[p:]), True)
+
+
+_KEY_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
+
+
+def message_key(message: Mapping[str, Any]) -> Hashable:
+    """What message alignment compares: ``json.dumps(message, sort_keys=True, default=str)``."""
+    return _KEY_ENCODER.encode(message)
+
+
+def edited(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
+    """``apply_directives(tokens, directives)``, by slices (same checks, same result)."""
+    out: list[int] = []
+    pos = 0
+    for d in sort_and_check(directives, len(tokens)):
+        out += tokens[pos : d.start]
+        out += d.replacement
+        pos = d.end
+    out += tokens[pos:]
+    return out
+
+
+def align_messages(
+    old: Sequence[Mapping[str, Any]],
+    new: Sequence[Mapping[str, Any]],
+    old_keys: Sequence[Hashable] | None = None,
+    new_keys: Sequence[Hashable] | None = None,
+) -> list[Opcode]:
+    """difflib opcodes between two message lists; messages appended after the last old one get
+    their own trailing ``insert`` (a changed last message is paired with the first new one).
+    ``old_keys``/``new_keys``: the lists' ``message_key``s where already known."""
+    ops = difflib.SequenceMatcher(
+        None,
+        old_keys if old_keys is not None else [message_key(m) for m in old],
+        new_keys if new_keys is not None else [message_key(m) for m in new],
+        autojunk=False,
+    ).get_opcodes()
+    if ops and ops[-1][0] == "replace" and ops[-1][2] == len(old):
+        tag, i1, i2, j1, j2 = ops.pop()
+        k = min(i2 - i1, j2 - j1)
+        ops.append(("replace", i1, i2, j1, j1 + k))
+        if j1 + k < j2:
+            ops.append(("insert", i2, i2, j1 + k, j2))
+    return ops
+
+
+def _strongest(modes: Sequence[Mode | None]) -> Mode | None:
+    out: Mode | None = None
+    for mode in modes:
+        out = Mode.strongest(out, mode)
+    return out
+
+
+def _bounds(rendered: Rendered) -> list[int]:
+    """Token index where each message starts, then where the last one ends."""
+    if not rendered.spans:
+        return [0]
+    return [s for s, _ in rendered.spans] + [rendered.spans[-1][1]]
+
+
+def diff_rendered(
+    old_messages: Sequence[Mapping[str, Any]],
+    old: Rendered | Sequence[int],
+    new_messages: Sequence[Mapping[str, Any]],
+    new: Rendered,
+    *,
+    old_spans: Sequence[tuple[int, int]] | None = None,
+    old_modes: Sequence[Mode | None] = (),
+    new_modes: Sequence[Mode | None] = (),
+    default_mode: Mode = Mode.AMORTIZE,
+    tools_changed: bool = False,
+    old_keys: Sequence[Hashable] | None = None,
+    new_keys: Sequence[Hashable] | None = None,
+) -> Diff:
+    """The minimal directives that turn the old prompt into the new one's prefix, plus the tail.
+
+    Args:
+        old_messages, old: the previous turn's messages and prompt (``Rendered``, or its tokens
+            with ``old_spans``); the old tokens may extend past the old prompt (e.g. with the
+            generated reply the server also holds).
+        new_messages, new: this turn's.
+        old_modes, new_modes: per old message, the mode of the edit that dropped it; per new
+            message, the mode of the edits behind it (None, or past the list's end: no edit).
+            A change of old messages ``[i1, i2)`` into new ones ``[j1, j2)`` gets the strongest
+            of their modes.
+        default_mode: mode of changes no edit accounts for.
+        tools_changed: the tool schemas changed, so unchanged messages may render differently
+            (the tools block) without that being a fallback.
+        old_keys, new_keys: the lists' ``message_key``s where already known.
+
+    Returns:
+        ``Diff`` with ``apply_directives(old_tokens, directives) + tail == new.tokens``.
+    """
+    old_tokens = list(old.tokens if isinstance(old, Rendered) else old)
+    spans = list(old.spans if isinstance(old, Rendered) else old_spans or [])
+    ob = _bounds(Rendered(old_tokens, spans))
+    nb = _bounds(new)
+    N = new.tokens
+    fallback = False
+    regions: list[_Region] = []
+
+    def add(a: int, b: int, c: int, d: int, mode: Mode | None, same_messages: bool) -> None:
+        nonlocal fallback
+        if mode is None and old_tokens[a:b] != N[c:d]:
+            mode, fallback = default_mode, fallback or (same_messages and not tools_changed)
+        regions.append(_Region(a, b, c, d, mode))
+
+    if not old_messages or not new_messages:
+        ob, nb = [0] * (len(old_messages) + 1), [0] * (len(new_messages) + 1)
+    add(0, ob[0], 0, nb[0], None, True)  # template preamble
+    j_app = len(new_messages)
+    for tag, i1, i2, j1, j2 in align_messages(old_messages, new_messages, old_keys, new_keys):
+        if tag == "insert" and i1 == len(old_messages):
+            j_app = j1
+            break
+        pairs = [(i1 + t, i1 + t + 1, j1 + t, j1 + t + 1) for t in range(i2 - i1)]
+        if i2 - i1 != j2 - j1:
+            pairs = [(i1, i2, j1, j2)]
+        for a, b, c, d in pairs:  # message by message where the counts allow
+            if tag == "equal":
+                add(ob[a], ob[b], nb[c], nb[d], None, True)
+            else:
+                mode = _strongest([*old_modes[a:b], *new_modes[c:d]]) or default_mode
+                add(ob[a], ob[b], nb[c], nb[d], mode, False)
+    # The old generation prompt (and anything after it) against what now follows.
+    g_start, r_start = ob[len(old_messages)], nb[j_app]
+    g = _common_prefix(old_tokens[g_start:], N[r_start:])
+    add(g_start, g_start + g, r_start, r_start + g, None, False)
+    add(g_start + g, len(old_tokens), r_start + g, r_start + g, None, False)
+    tail = list(N[r_start + g :])
+
+    directives = _directives(old_tokens, N, regions)
+    if edited(old_tokens, directives) + tail != N:  # never expected; stay exact
+        cover = diff_tokens(old_tokens, N, default_mode)
+        return Diff(cover.directives, cover.tail, True)
+    return Diff(directives, tail, fallback)
+
+
+def _directives(old: list[int], new: list[int], regions: list[_Region]) -> list[Directive]:
+    """One directive per changed region, trimmed to the tokens that differ; touching ones merge."""
+    out: list[Directive] = []
+    for a, b, c, d, mode in regions:
+        if mode is None:
+            continue
+        k = _common_prefix(old[a:b], new[c:d])
+        k2 = _common_suffix(old[a + k : b], new[c + k : d], min(b - a, d - c) - k)
+        if b - a == k + k2 and d - c == k + k2:
+            continue
+        start, end, repl = a + k, b - k2, tuple(new[c + k : d - k2])
+        if out and out[-1].end == start:  # touching (or two insertions at one point): merge
+            prev = out.pop()
+            start, repl, mode = prev.start, prev.replacement + repl, Mode.strongest(prev.mode, mode)
+        out.append(Directive(start=start, end=end, replacement=repl, mode=mode or Mode.AMORTIZE))
+    return out

@@ -1,0 +1,22 @@
+"""Stubs: one agent step's observations evicted behind one text (``stale_tool_outputs``,
+``token_budget``)."""
+
+from __future__ import annotations
+
+from leyline_agent.directive import Mode
+from leyline_agent.policies.protocol import Conversation, Edit
+
+DEFAULT_STUB = "[evicted: {n} old tool outputs]"
+
+
+def stub_edits(
+    conversation: Conversation, groups: list[list[int]], stub: str, reason: str
+) -> list[Edit]:
+    """Edits that evict each group of observations (one agent step's outputs) behind one stub:
+    the first output becomes ``stub`` with ``{n}`` = the group's size, the others empty."""
+    edits = []
+    for group in groups:
+        text = stub.format(n=len(group))
+        edits.append(Edit(index=group[0], replacement=text, mode=Mode.AMORTIZE, reason=reason))
+        edits += [Edit(index=i, replacement="", reason=reason) for i in group[1:]]
+    return edits
