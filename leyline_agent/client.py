@@ -1,6 +1,6 @@
 """HTTP client for a Leyline-enabled SGLang server (``leyline serve``). Pure httpx.
 
-Endpoints: ``POST /leyline/splice`` (see ``backends/sglang/protocol.py`` for the body and the
+Endpoints: ``POST /leyline/splice`` (see ``backends/sglang/wire.py`` for the body and the
 response fields), ``GET /leyline/stats``, and SGLang's own ``POST /generate`` with ``input_ids``.
 """
 
@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from leyline_agent.backends.sglang.wire import Namespace, SpliceResponse
 from leyline_agent.directive import Directive
 
 
@@ -54,18 +55,6 @@ def miss_reason(status: int, message: str = "") -> str:
     return "backend_error"
 
 
-class SpliceResult(NamedTuple):
-    new_length: int
-    prefix_reused: int
-    prefilled: int
-    rotated: int
-    copied: int
-    purged: int
-    in_place: bool
-    elapsed_ms: float
-    http_ms: float
-
-
 class GenerateResult(NamedTuple):
     output_ids: list[int]
     prompt_tokens: int
@@ -83,10 +72,13 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 class LeylineClient:
     """``LeylineClient("http://127.0.0.1:30000")``. Thread-safe (one httpx.Client).
 
-    ``api_key``: the backend's key (``leyline serve --api-key``), sent on every request.
+    ``timeout``: seconds for every request, or an ``httpx.Timeout`` (e.g. a shorter connect
+    timeout). ``api_key``: the backend's key (``leyline serve --api-key``), sent on every request.
     """
 
-    def __init__(self, base_url: str, timeout: float = 600.0, *, api_key: str | None = None):
+    def __init__(
+        self, base_url: str, timeout: float | httpx.Timeout = 600.0, *, api_key: str | None = None
+    ):
         self.base_url = base_url.rstrip("/")
         self.http = httpx.Client(
             base_url=self.base_url, timeout=timeout, headers=auth_headers(api_key)
@@ -103,18 +95,17 @@ class LeylineClient:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         **extra: Any,
-    ) -> SpliceResult:
+    ) -> SpliceResponse:
         """Run directives on the cached ``tokens`` in the namespace ``(extra_key, cache_salt)``
-        (the one the chat or generate request that cached them used). Raises
-        :class:`SpliceRejected`."""
+        (the one the chat or generate request that cached them used). Returns the server's
+        response with ``http_ms`` set. Raises :class:`SpliceRejected`."""
         body = {
             "tokens": list(tokens),
             "directives": [d.model_dump(mode="json") for d in directives],
             "extra_key": extra_key,
             **extra,
+            **Namespace(extra_key, cache_salt).fields(),
         }
-        if cache_salt:
-            body["cache_salt"] = cache_salt
         t0 = time.perf_counter()
         try:
             r = self.http.post("/leyline/splice", json=body)
@@ -131,10 +122,7 @@ class LeylineClient:
             raise SpliceRejected(r.status_code, r.text[:500]) from None
         if r.status_code != 200:
             raise SpliceRejected(r.status_code, str(data.get("error", data)))
-        fields = {k: data[k] for k in SpliceResult._fields if k in data}
-        fields.setdefault("copied", 0)
-        fields.setdefault("purged", 0)
-        return SpliceResult(**fields, http_ms=http_ms)
+        return SpliceResponse.model_validate({**data, "http_ms": http_ms})
 
     def generate(
         self,
@@ -148,10 +136,7 @@ class LeylineClient:
         """SGLang ``/generate`` with token ids, greedy by default. Raises ``httpx.HTTPError``."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
-        if extra_key is not None:
-            body["extra_key"] = extra_key
-        if cache_salt:
-            body["cache_salt"] = cache_salt
+        body.update(Namespace(extra_key, cache_salt).fields())
         t0 = time.perf_counter()
         r = self.http.post("/generate", json=body)
         r.raise_for_status()

@@ -30,37 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pydantic import BaseModel
-
+from leyline_agent.accounting import TurnRecord
+from leyline_agent.backends.sglang.wire import Namespace, SpliceResponse
 from leyline_agent.chat.request import final_assistant, length_error
-from leyline_agent.client import GenerateResult, LeylineClient, SpliceRejected, SpliceResult
+from leyline_agent.client import GenerateResult, LeylineClient, SpliceRejected
 from leyline_agent.directive import Mode
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
-
-
-class TurnRecord(BaseModel):
-    """Counters of one turn (tokens are counts; times in milliseconds)."""
-
-    turn: int
-    prompt_tokens: int
-    cached_tokens: int
-    prefilled_tokens: int
-    splice_prefilled: int = 0
-    rotated_tokens: int = 0
-    best_cached_tokens: int
-    directives_amortize: int = 0
-    directives_forget: int = 0
-    edited: bool = False
-    spliced: bool = False
-    splice_error: str | None = None
-    splice_miss_reason: str | None = None  # client.miss_reason of splice_error
-    splice_ms: float = 0.0
-    request_ms: float = 0.0
-    ttft_ms: float | None = None
-    first_token: int | None = None
-    render_mismatch: bool = False  # the backend's prompt tokens differ from the rendered ones
-    resynced: bool = False  # ... and the session adopted the backend's tokens
-    error: str | None = None  # the request failed after the cache changed (a splice ran)
 
 
 class RequestRefused(ValueError):
@@ -70,12 +45,12 @@ class RequestRefused(ValueError):
 @dataclass
 class Pending:
     plan: TurnPlan
-    splice: SpliceResult | None
+    splice: SpliceResponse | None
     splice_error: str | None
     splice_ms: float
     t_start: float
     splice_miss_reason: str | None = None
-    best_cached: int = 0
+    best_reused: int = 0
     committed: bool = False  # the splice ran: the wrapper already holds the spliced prefix
     final: dict[str, Any] | None = None  # the assistant message continued (continue_final)
 
@@ -110,6 +85,8 @@ class SessionCore:
         self.splice_enabled = splice
         self.records: list[TurnRecord] = []
         self.messages: list[dict[str, Any]] = []
+        # the previous turn's reply after wrapper.tokens: its ids, its length, or None: unknown
+        self._reply: list[int] | int | None = 0
 
     def set_cache_salt(self, cache_salt: str | None) -> None:
         """Use the client's ``cache_salt`` from this turn on. A changed salt is another cache
@@ -119,6 +96,13 @@ class SessionCore:
         if cache_salt != self.cache_salt:
             self.cache_salt = cache_salt
             self.wrapper.reset()
+            self._reply = 0
+
+    def forget(self) -> None:
+        """Forget the session's tokens (the next turn is prefilled in full, no splice); the
+        namespace may still hold them, so the next turn's ``best_reused`` is unbounded."""
+        self.wrapper.reset()
+        self._reply = None
 
     def begin(
         self,
@@ -156,8 +140,8 @@ class SessionCore:
         refused = length_error(len(plan.tokens), max_new_tokens, context_len)
         if refused is not None:
             raise RequestRefused(refused)
-        best = self.best_cached(plan)
-        result: SpliceResult | None = None
+        best = self.best_reused(plan)
+        result: SpliceResponse | None = None
         error: str | None = None
         reason: str | None = None
         splice_ms = 0.0
@@ -183,29 +167,46 @@ class SessionCore:
         """The chat-completions body to send: ``body`` with the planned (edited) messages and
         tools, in this session's namespace."""
         messages = pending.plan.messages + ([pending.final] if pending.final else [])
-        out = {**body, "messages": messages, "extra_key": self.namespace}
-        out.pop("cache_salt", None)
-        if self.cache_salt:
-            out["cache_salt"] = self.cache_salt
+        out = Namespace(self.namespace, self.cache_salt).apply({**body, "messages": messages})
         if pending.plan.tools:
             out["tools"] = pending.plan.tools
         return out
 
-    def best_cached(self, plan: TurnPlan) -> int:
-        """Theoretical best cached tokens for this turn under this session's arm.
+    def best_reused(self, plan: TurnPlan) -> int:
+        """An upper bound of this turn's reused tokens (prompt − prefilled) under the arm.
 
-        splice: everything but the new tail and the replacements; re-prefill: the prefix before
-        the first edit; first turn: 0.
+        The namespace holds the previous prompt (``wrapper.tokens``) and, after it, that turn's
+        reply (SGLang caches generated tokens too). ``splice`` with directives: the spliced
+        prefix less the replacements the splice prefills (nothing follows the spliced prefix).
+        Otherwise: the prefix shared with the previous prompt (up to the first directive) and,
+        when that is the whole previous prompt, the reply tokens this prompt continues with:
+        exactly when the reply's ids are known (``/generate``), at most its length otherwise,
+        the rest of the prompt when unknown. First turn: 0; after ``forget`` or a prompt of
+        unknown tokens: the whole prompt.
+
+        NOTE: older sequences of the namespace are taken to extend this prompt no further than
+        the previous one (true while each turn's edits include the previous turn's).
         """
-        if not self.wrapper.tokens:
-            return 0
-        if not plan.directives:
-            return plan.base_len
-        if self.splice_enabled:
-            return (
-                len(plan.tokens) - len(plan.tail) - sum(len(d.replacement) for d in plan.directives)
-            )
-        return min(d.start for d in plan.directives)
+        held = self.wrapper.tokens
+        if not held:
+            return len(plan.tokens) if self._reply is None else 0
+        if self.splice_enabled and plan.directives:
+            replaced = sum(len(d.replacement) for d in plan.directives)
+            return len(plan.tokens) - len(plan.tail) - replaced
+        shared = min((d.start for d in plan.directives), default=plan.base_len)
+        if shared < len(held):
+            return shared
+        rest = plan.tokens[len(held) :]
+        if self._reply is None:
+            return shared + len(rest)
+        if isinstance(self._reply, int):
+            return shared + min(self._reply, len(rest))
+        n = 0
+        for a, b in zip(self._reply, rest, strict=False):
+            if a != b:
+                break
+            n += 1
+        return shared + n
 
     def finish(
         self,
@@ -220,15 +221,20 @@ class SessionCore:
         prompt_ids: Sequence[int] | None = None,
         error: str | None = None,
         prefilled: bool = True,
+        completion_tokens: int | None = None,
+        output_ids: Sequence[int] | None = None,
     ) -> TurnRecord:
         """Record the turn and set the session's tokens to what the backend holds.
 
         Args:
+            cached_tokens: the backend's count (``usage.prompt_tokens_details.cached_tokens``).
             prompt_ids: the backend's prompt token ids, when it returned them: adopted when they
                 differ from the plan's (a resync).
             error: the request failed after reaching the backend (recorded with the turn).
             prefilled: the backend prefilled the whole prompt (False: it holds the spliced
                 prefix at most, e.g. a request refused or cut off before its first token).
+            completion_tokens, output_ids: the reply's length or ids (None: unknown), for the
+                next turn's ``best_reused``.
         """
         plan = pending.plan
         held: list[int] | None = list(plan.tokens) if prefilled else None
@@ -241,14 +247,17 @@ class SessionCore:
             mismatch, held = True, []  # unknown tokens: the next turn splices nothing
         modes = [d.mode for d in plan.directives]
         splice_prefilled = pending.splice.prefilled if pending.splice else 0
+        prefilled_tokens = prompt_tokens - cached_tokens + splice_prefilled
         record = TurnRecord(
             turn=len(self.records),
             prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            prefilled_tokens=prompt_tokens - cached_tokens + splice_prefilled,
-            splice_prefilled=splice_prefilled,
+            server_cached_tokens=cached_tokens,
+            prefilled_tokens=prefilled_tokens,
+            reused_tokens=max(0, prompt_tokens - prefilled_tokens),
+            best_reused_tokens=min(pending.best_reused, prompt_tokens),
+            splice_prefilled_tokens=splice_prefilled,
             rotated_tokens=pending.splice.rotated if pending.splice else 0,
-            best_cached_tokens=min(pending.best_cached, prompt_tokens),
+            policy_edits=len(plan.edits),
             directives_amortize=modes.count(Mode.AMORTIZE),
             directives_forget=modes.count(Mode.FORGET),
             edited=bool(plan.directives),
@@ -268,6 +277,11 @@ class SessionCore:
                 self.wrapper.hold(held)
         elif held is not None:
             self.wrapper.commit(plan, held)
+        if held is not None:
+            reply = list(output_ids) if output_ids is not None else completion_tokens
+            self._reply = reply if held else None  # held == []: the backend holds unknown tokens
+        elif pending.committed:
+            self._reply = 0  # the spliced prefix, no reply after it
         if messages is not None:
             self.messages = [dict(m) for m in messages]
         self.records.append(record)
@@ -296,6 +310,6 @@ class SessionCore:
             ttft_ms=out.meta.get("ttft_ms") or out.e2e_ms,
             first_token=out.output_ids[0] if out.output_ids else None,
             messages=messages,
+            output_ids=out.output_ids,
         )
         return record, out
-

@@ -18,6 +18,8 @@ import pytest
 from shared_data import shared_dir
 from typer.testing import CliRunner
 
+from leyline_agent.arms import arm_switch
+from leyline_agent.evals.debug_gym import venv
 from leyline_agent.evals.debug_gym.driver import allowed_tools
 from leyline_agent.evals.debug_gym.grammar import (
     READ_ONLY_TOOLS,
@@ -26,7 +28,7 @@ from leyline_agent.evals.debug_gym.grammar import (
     tool_call_grammar,
 )
 from leyline_agent.evals.debug_gym.runner import EvalError, session_totals, tools_for
-from leyline_agent.evals.debug_gym.spec import EvalSpec, arm_switch, parse_tasks
+from leyline_agent.evals.debug_gym.spec import EvalSpec, parse_tasks
 from leyline_agent.evals.debug_gym.venv import requirements_key, write_tree_shim
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,20 +114,32 @@ def test_tree_shim_prints_what_listdir_parses(tmp_path: Path) -> None:
 
 def test_session_totals_split_edited_turns() -> None:
     records = [
-        {"prompt_tokens": 100, "cached_tokens": 0, "prefilled_tokens": 100},
-        {"prompt_tokens": 150, "cached_tokens": 140, "prefilled_tokens": 15, "edited": True,
-         "spliced": True, "splice_prefilled": 5},
+        {"turn": 0, "prompt_tokens": 100, "server_cached_tokens": 0, "prefilled_tokens": 100,
+         "reused_tokens": 0, "best_reused_tokens": 0},
+        {"turn": 1, "prompt_tokens": 150, "server_cached_tokens": 140, "prefilled_tokens": 15,
+         "reused_tokens": 135, "best_reused_tokens": 135, "edited": True, "spliced": True,
+         "splice_prefilled_tokens": 5, "policy_edits": 1},
     ]  # fmt: skip
     t = session_totals({"records": records})
-    assert t["turns"] == 2 and t["edited_turns"] == 1 and t["spliced_turns"] == 1
-    assert t["prompt_tokens"] == 250 and t["prefilled_tokens"] == 115
-    assert t["cached_tokens"] == 135 and t["server_cached_tokens"] == 140
-    assert t["edited_prefilled_tokens"] == 15 and t["splice_prefilled_tokens"] == 5
-    assert session_totals(None)["turns"] == 0
+    assert t.turns == 2 and t.edited_turns == 1 and t.spliced_turns == 1
+    assert t.policy_edited_turns == 1
+    assert t.prompt_tokens == 250 and t.prefilled_tokens == 115
+    assert t.reused_tokens == 135 and t.server_cached_tokens == 140
+    assert t.edited_prefilled_tokens == 15 and t.splice_prefilled_tokens == 5
+    assert session_totals(None).turns == 0
 
 
-def test_requirements_key_is_stable() -> None:
-    assert requirements_key() == requirements_key()
+def test_requirements_key_changes_with_every_pin(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = requirements_key()
+    assert len(key) == 16 and int(key, 16) >= 0
+    bumped = tuple(d.replace("==", "==9.", 1) if i == 0 else d
+                   for i, d in enumerate(venv.RUNTIME_DEPS))  # fmt: skip
+    monkeypatch.setattr(venv, "RUNTIME_DEPS", bumped)
+    assert requirements_key() != key
+    monkeypatch.undo()
+    assert requirements_key() == key
+    monkeypatch.setattr(venv, "_TREE_SHIM", venv._TREE_SHIM + "\n")
+    assert requirements_key() != key
 
 
 def _data_dir() -> str | None:

@@ -248,7 +248,9 @@ def test_splice_arm_caches_every_token_before_the_new_turn(
         if plan.directives:
             assert rec["spliced"] and rec["splice_error"] is None
             assert rec["directives_amortize"] == len(plan.directives)
-            assert rec["splice_prefilled_tokens"] == sum(len(d.replacement) for d in plan.directives)
+            assert rec["splice_prefilled_tokens"] == sum(
+                len(d.replacement) for d in plan.directives
+            )
     assert detail["splice_misses"] == 0 and detail["turns"] == len(turns)
 
 

@@ -17,11 +17,12 @@ from fastapi.testclient import TestClient
 from test_proxy import agent_conversation
 
 from leyline_agent.backends.sglang.launch import free_port
-from leyline_agent.client import LeylineClient, SpliceResult
+from leyline_agent.backends.sglang.wire import SpliceResponse
+from leyline_agent.client import LeylineClient
 from leyline_agent.directive import Directive
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, TraceRecorder, create_app
 from leyline_agent.proxy.auth import ApiKeys, parse_api_key
-from leyline_agent.proxy.sessions import SessionKey, match_form
+from leyline_agent.proxy.identity import SessionKey, match_form
 from leyline_agent.session import SessionCore
 from leyline_agent.wrapper import ConversationWrapper
 
@@ -239,9 +240,12 @@ class _Recording(LeylineClient):
         super().__init__("http://127.0.0.1:9")
         self.splices: list[dict[str, Any]] = []
 
-    def splice(self, tokens: Any, directives: Any, **kw: Any) -> SpliceResult:
+    def splice(self, tokens: Any, directives: Any, **kw: Any) -> SpliceResponse:
         self.splices.append(kw)
-        return SpliceResult(len(tokens), 0, 0, 0, 0, 0, True, 0.0, 0.0)
+        return SpliceResponse(
+            new_length=len(tokens), prefix_reused=0, prefilled=0, rotated=0, in_place=True,
+            elapsed_ms=0.0,
+        )  # fmt: skip
 
 
 def test_cache_salt_is_one_namespace_for_the_chat_request_and_the_splice() -> None:

@@ -113,7 +113,7 @@ def test_backend_restart_between_turns(proxy: str, backend: EmbeddedServer) -> N
     rec = records(proxy, "restart")[-1]
     assert rec["edited"] and not rec["spliced"]
     assert rec["splice_miss_reason"] == "not_cached"
-    assert rec["cached_tokens"] < rec["prompt_tokens"] // 2  # a cold, full prefill
+    assert rec["server_cached_tokens"] < rec["prompt_tokens"] // 2  # a cold, full prefill
     r = chat(proxy, "restart", turns[5])
     assert r.status_code == 200
     rec = records(proxy, "restart")[-1]

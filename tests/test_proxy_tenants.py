@@ -222,7 +222,7 @@ def test_replay_against_a_keyed_backend(
     assert BACKEND_KEY not in text  # the key is never written out
     headline = json.loads(result.output.strip().splitlines()[-1])
     splice = headline["arms"]["splice"]
-    assert splice["skipped_turns"] == 0 and splice["cached_tokens"] > 0
+    assert splice["skipped_turns"] == 0 and splice["reused_tokens"] > 0
 
 
 def test_debug_gym_harness_passes_the_key(

@@ -1,13 +1,10 @@
-"""`leyline bench`: ``splice`` (engine level, runs from an installed package) and ``fidelity``
-(needs a source checkout: ``experiments/`` beside the package).
-
-Heavy imports stay inside the commands.
+"""`leyline bench`: ``splice`` (engine level) and ``fidelity`` (paper §4.3), both run from an
+installed package. Heavy imports stay inside the commands.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -25,21 +22,6 @@ def bench() -> None:
 
 def _err(line: str) -> None:
     typer.echo(line, err=True)
-
-
-def _checkout_root() -> Path:
-    """The repository root holding ``experiments/`` (an editable install); put it on sys.path."""
-    import leyline_agent
-
-    root = Path(leyline_agent.__file__).resolve().parents[1]
-    if not (root / "experiments" / "fidelity" / "task.py").is_file():
-        raise typer.BadParameter(
-            f"no experiments/fidelity next to {root / 'leyline_agent'}: `leyline bench` needs a "
-            "source checkout installed with `pip install -e .`"
-        )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return root
 
 
 @app.command()
@@ -87,11 +69,10 @@ def fidelity(
     """
     import dataclasses
 
-    _checkout_root()
-    from experiments.fidelity import architectures as arch_mod
-    from experiments.fidelity import bench as bench_mod
-    from experiments.fidelity import drift as drift_mod
-    from experiments.fidelity import report, train_tiny_mla
+    from leyline_agent.bench.fidelity import architectures as arch_mod
+    from leyline_agent.bench.fidelity import divergence, report
+    from leyline_agent.bench.fidelity import drift as drift_mod
+    from leyline_agent.bench.fidelity import train as train_mod
 
     dtypes = dtype or ["float32"]
     if backend and len(dtypes) > 1:
@@ -103,18 +84,18 @@ def fidelity(
         import torch
 
         torch.set_num_threads(1)
-        spec = train_tiny_mla.TrainSpec()
+        spec = train_mod.TrainSpec()
         if train_steps is not None:
             spec = dataclasses.replace(spec, steps=train_steps)
-        res = train_tiny_mla.train(spec, log=_err)
+        res = train_mod.train(spec, log=_err)
         model_path = res.model_dir
-        _err(train_tiny_mla.accuracy_table(res.info))
+        _err(train_mod.accuracy_table(res.info))
     elif not (model_path / "fidelity.json").is_file():
         raise typer.BadParameter(f"{model_path} has no fidelity.json", param_hint="--model-path")
 
-    spec_b = bench_mod.BenchSpec(n=n, seed=seed)
+    spec_b = divergence.BenchSpec(n=n, seed=seed)
     benches = {
-        d: bench_mod.run(model_path, spec_b, backend=backend, dtype=d, log=_err) for d in dtypes
+        d: divergence.run(model_path, spec_b, backend=backend, dtype=d, log=_err) for d in dtypes
     }
     archs = arch_mod.run(log=_err) if architectures else None
     drift_res = drift_mod.run() if drift else None

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from leyline_agent.arms import ARMS, DEFAULT_POLICY
 from leyline_agent.commands.options import (
     Arms,
     ArmsPolicy,
@@ -20,7 +21,6 @@ from leyline_agent.commands.options import (
 )
 from leyline_agent.commands.progress import progress_bar
 from leyline_agent.evals.debug_gym.spec import EvalSpec
-from leyline_agent.replay import ARMS, DEFAULT_POLICY
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 

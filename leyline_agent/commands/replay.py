@@ -6,15 +6,11 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
-from leyline_agent.replay import ARMS, DEFAULT_POLICY
-
-if TYPE_CHECKING:
-    from leyline_agent.client import LeylineClient
-
+from leyline_agent.arms import ARMS, DEFAULT_POLICY
 from leyline_agent.commands.options import (
     Arms,
     ArmsPolicy,
@@ -78,7 +74,7 @@ def replay(
     the prefilled tokens per arm; writes OUT/results.json, OUT/prefilled.png (per arm),
     OUT/prefilled_turns.png (per turn along each trace), OUT/hit_rate.png and OUT/latency.png, and
     prints as the last stdout line one JSON document: {"arms": {ARM: {"prefilled_tokens",
-    "prompt_tokens", "cached_tokens", "hit_rate", "best_hit_rate", "mean_turn_ms",
+    "prompt_tokens", "reused_tokens", "hit_rate", "best_hit_rate", "mean_turn_ms",
     "skipped_turns", "skip_reasons", "argmax_agreement", ...}}, "levels": {...}, ...} for the
     first concurrency level. A turn that cannot run (the template or policy rejects it, or the
     backend refuses it with a 4xx, e.g. longer than the context) is skipped and counted with its
@@ -88,11 +84,13 @@ def replay(
     from pydantic import ValidationError
     from rich.console import Console
 
+    from leyline_agent import runinfo
     from leyline_agent.chat.model_dir import load_renderer
     from leyline_agent.client import LeylineClient
     from leyline_agent.policies import PolicyError, parse_policy
-    from leyline_agent.replay import examples_dir, report
-    from leyline_agent.replay.runner import ReplaySpec, replay, total_turns
+    from leyline_agent.replay import examples_dir, plots, report
+    from leyline_agent.replay.runner import replay, total_turns
+    from leyline_agent.replay.spec import ReplaySpec
     from leyline_agent.traces import TraceFormatError, load
 
     err = Console(stderr=True)
@@ -102,7 +100,9 @@ def replay(
     try:
         levels = [int(c) for c in csv(concurrency)]
     except ValueError as e:
-        raise typer.BadParameter(f"expected integers such as 1,8: {e}", "--concurrency") from e
+        raise typer.BadParameter(
+            f"expected integers such as 1,8: {e}", param_hint="--concurrency"
+        ) from e
     try:
         spec = ReplaySpec(
             traces=[str(p) for p in paths],
@@ -151,7 +151,7 @@ def replay(
         backend_api_key = None
     client = LeylineClient(backend, api_key=backend_api_key or None)
     try:
-        backend_info = _backend_info(client)
+        backend_info = runinfo.backend_info(client.http)
         label = f"{len(loaded)} traces x {len(spec.arms)} arms"
         total = total_turns(loaded, spec)
         if err.is_terminal:
@@ -172,17 +172,17 @@ def replay(
             server.stop()
 
     summary = report.summarize(results, spec.arms)
-    env = report.environment(backend_info)
+    env = runinfo.environment(backend_info)
     trace_info = [
         {"name": t.name, "source": t.source, "turns": len(t.turns[:max_turns])} for t in loaded
     ]
     path = report.write_results(out, spec, summary, results, trace_info, env)
-    plots = report.plot(out, summary, spec, results)
+    figures = plots.plot(out, summary, spec, results)
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
         console = Console(width=150)
     console.print(report.table(summary, spec))
-    console.print(f"results: {path}; plots: {', '.join(str(p) for p in plots)}")
+    console.print(f"results: {path}; plots: {', '.join(str(p) for p in figures)}")
     typer.echo(json.dumps(report.headline(summary, spec, path)))
 
 
@@ -205,18 +205,3 @@ class PlainProgress:
             self.last = now
             line = f"replay {self.label}: {self.done}/{self.total} turns, {now - self.t0:.0f} s"
         typer.echo(line, err=True)
-
-
-def _backend_info(client: LeylineClient) -> dict[str, Any]:
-    """The backend's URL and model (SGLang's ``/get_model_info``)."""
-    import httpx
-
-    info: dict[str, Any] = {"url": client.base_url}
-    try:
-        r = client.http.get("/get_model_info", timeout=10)
-        r.raise_for_status()
-        model = r.json()
-        info.update({k: model.get(k) for k in ("model_path", "load_format", "model_type")})
-    except httpx.HTTPError as e:
-        info["model_info_error"] = str(e)
-    return info

@@ -1,7 +1,10 @@
 """``GET /metrics``: the proxy's counters in the Prometheus text format (version 0.0.4).
 
 Families ``leyline_proxy_*`` count every session served (dropped ones included);
-``leyline_proxy_session_*{session="<id>"}`` count each live session. Times are in seconds.
+``leyline_proxy_session_*{session="<id>"}`` count each live session. Times are in seconds. The
+token families are the ``accounting.Totals`` of the same name, except
+``leyline_proxy_cached_tokens_total``: ``server_cached_tokens`` (the backend's own count, as in
+the answers' ``usage.prompt_tokens_details.cached_tokens``).
 ``leyline_proxy_render_mismatches_total`` / ``leyline_proxy_resyncs_total``: turns whose backend
 prompt tokens differed from the rendered ones / after which the session adopted the backend's.
 """
@@ -11,24 +14,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from leyline_agent.proxy.sessions import Counters, SessionRegistry
-from leyline_agent.session import TurnRecord
+from leyline_agent.accounting import Totals, TurnRecord
+from leyline_agent.proxy.sessions import SessionRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# (counter field, metric suffix, help); every one is a counter.
+# (Totals field, metric suffix, help); every one is a counter.
 _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("turns", "turns_total", "Chat-completion turns answered."),
-    ("edited_turns", "edited_turns_total", "Turns on which the policy edited the history."),
+    ("edited_turns", "edited_turns_total", "Turns whose prompt carried directives."),
+    ("policy_edited_turns", "policy_edited_turns_total", "Turns the policy edited."),
     ("spliced_turns", "spliced_turns_total", "Turns whose directives the backend executed."),
     ("splice_misses", "splice_misses_total", "Turns whose splice could not run (re-prefilled)."),
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens sent to the backend."),
-    ("cached_tokens", "cached_tokens_total", "Prompt tokens the backend found in its cache."),
+    ("server_cached_tokens", "cached_tokens_total", "Prompt tokens the backend found in its "
+     "cache (its own count)."),
+    ("reused_tokens", "reused_tokens_total", "Prompt tokens whose KV was reused (prompt minus "
+     "prefilled)."),
     ("prefilled_tokens", "prefilled_tokens_total", "Tokens prefilled (request plus splice)."),
     ("splice_prefilled_tokens", "splice_prefilled_tokens_total", "Tokens prefilled by splices."),
     ("rotated_tokens", "rotated_tokens_total", "Cached tokens re-rotated by splices."),
-    ("best_cached_tokens", "best_cached_tokens_total", "Cached tokens the best case would give."),
-)
+    ("best_reused_tokens", "best_reused_tokens_total", "Upper bound of the reused tokens under "
+     "the session's arm."),
+)  # fmt: skip
 _SUMMARIES: tuple[tuple[str, str, str], ...] = (
     ("splice_ms", "splice_seconds", "Time spent in /leyline/splice calls."),
     ("request_ms", "request_seconds", "Time spent in forwarded chat-completion requests."),
@@ -72,7 +80,7 @@ def _family(name: str, kind: str, help_: str, samples: Iterable[tuple[str, float
     return lines
 
 
-def _modes(c: Counters, extra: str = "") -> list[tuple[str, float]]:
+def _modes(c: Totals, extra: str = "") -> list[tuple[str, float]]:
     return [
         (f'{{{extra}mode="amortize"}}', c.directives_amortize),
         (f'{{{extra}mode="forget"}}', c.directives_forget),
@@ -86,7 +94,7 @@ def render(
     sessions and totals of ``tenant`` only, when given (a caller sees its own tenant)."""
     totals = registry.totals(tenant)
     parity = parity or ParityCounters()
-    live = [(s.id, Counters.of(s.core.records)) for s in registry.sessions(tenant)]
+    live = [(s.id, Totals.of(s.core.records)) for s in registry.sessions(tenant)]
     out = _family("leyline_proxy_sessions", "gauge", "Live sessions.", [("", len(live))])
     out += _family(
         "leyline_proxy_sessions_created_total",

@@ -1,7 +1,7 @@
 """The proxy's sessions: which conversation a chat-completions request continues.
 
-A session's identity is ``SessionKey(tenant, kind, name)``; the tenant is the caller's (see
-``auth.py``; ``default`` without keys). Resolution, in order:
+A session's identity is ``SessionKey(tenant, kind, name)`` (``identity.py``); the tenant is the
+caller's (see ``auth.py``; ``default`` without keys). Resolution, in order:
 
 1. the ``X-Leyline-Session`` header: kind ``header``, the name is the header's value;
 2. the OpenAI ``user`` field: kind ``user``, the name is its value;
@@ -10,159 +10,34 @@ A session's identity is ``SessionKey(tenant, kind, name)``; the tenant is the ca
    ``SessionRegistry._match``);
 4. otherwise a new anonymous session (kind ``anon``, a random name).
 
-The mapping is injective: every component is percent-escaped (``urllib.parse.quote`` with no safe
-characters, so the escaped text has no ``:``) before it is joined, so two different keys never
-share a namespace, a public id or a record file. The namespace on the backend is
-``leyline:<tenant>:<kind>:<name>`` (escaped) together with the client's ``cache_salt``: one value
-``(extra_key, cache_salt)`` for the chat request and the splice alike. The public id (the
-``X-Leyline-Session`` answer header, ``/leyline/sessions/{id}``) is the escaped name for a header
-session (a plain name such as ``dg-1a2b-splice-config`` is unchanged) and ``user:<escaped>`` or
-``anon:<hex>`` otherwise, so a header ``user:u1`` (public id ``user%3Au1``) is not the ``user``
-field ``u1`` (``user:u1``). The same name in another tenant is another session.
-
 Named sessions (1, 2) are never matched by prefix, so an anonymous agent cannot continue them.
 Every session owns a :class:`SessionCore` and an ``asyncio.Lock``: the turns of one session run
 one at a time (``begin`` → request → ``finish``), different sessions concurrently. The
 registry's own table is guarded by a ``threading.Lock``. Past ``max_sessions`` the least recently
-used idle session is dropped; its counters are kept in ``SessionRegistry.retired`` (and per
+used idle session is dropped; its totals are kept in ``SessionRegistry.retired`` (and per
 tenant) so that totals never go down.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, Literal, NamedTuple
-from urllib.parse import quote
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+from leyline_agent.accounting import Totals
 from leyline_agent.proxy.auth import DEFAULT_TENANT
-from leyline_agent.session import SessionCore, TurnRecord
+from leyline_agent.proxy.identity import SessionKey, match_form, shared, size
+from leyline_agent.session import SessionCore
 
-SESSION_HEADER = "X-Leyline-Session"
 Source = Literal["header", "user", "prefix", "new"]
-Kind = Literal["header", "user", "anon"]
 # NOTE: an anonymous request may continue a session whose history it does not extend exactly
 # (the agent edited it) when the shared prefix is at least this share of the session's history.
 MIN_SHARED = 0.5
-
-
-def _escape(text: str) -> str:
-    """Percent-escape everything but ``A-Za-z0-9_.-~`` (reversible; the result has no ``:``)."""
-    return quote(text, safe="")
-
-
-class SessionKey(NamedTuple):
-    """Who a session belongs to and what it is called (see the module docstring)."""
-
-    tenant: str
-    kind: Kind
-    name: str
-
-    @property
-    def public_id(self) -> str:
-        name = _escape(self.name)
-        return name if self.kind == "header" else f"{self.kind}:{name}"
-
-    @property
-    def namespace(self) -> str:
-        """The backend's ``extra_key`` of the session."""
-        return f"leyline:{_escape(self.tenant)}:{self.kind}:{_escape(self.name)}"
-
-
-def match_form(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A message as session matching compares it: without ``cache_control`` markers (on the
-    message or its content parts), a content made only of text parts joined into one string,
-    ``None`` content as ``""``. An agent that moves its cache marker to the newest message each
-    turn (SWE-agent, Anthropic-style prompts) still extends its own history."""
-    out = {k: v for k, v in message.items() if k != "cache_control"}
-    content = out.get("content")
-    if isinstance(content, list):
-        parts = [
-            {k: v for k, v in p.items() if k != "cache_control"} if isinstance(p, Mapping) else p
-            for p in content
-        ]
-        texts = [
-            p.get("text")
-            for p in parts
-            if isinstance(p, Mapping) and p.get("type") == "text" and len(p) == 2
-        ]
-        if len(texts) == len(parts) and all(isinstance(t, str) for t in texts):
-            out["content"] = "".join(texts)  # type: ignore[arg-type]
-        else:
-            out["content"] = parts
-    elif content is None and "content" in out:
-        out["content"] = ""
-    return out
-
-
-def _size(message: Mapping[str, Any]) -> int:
-    return len(json.dumps(message, sort_keys=True, ensure_ascii=False, default=str))
-
-
-@dataclass
-class Counters:
-    """Sums over turns (tokens are counts; times in milliseconds).
-
-    ``splice_misses``: edited turns whose splice could not run (the request went out anyway).
-    """
-
-    turns: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0
-    splice_prefilled_tokens: int = 0
-    rotated_tokens: int = 0
-    best_cached_tokens: int = 0
-    directives_amortize: int = 0
-    directives_forget: int = 0
-    edited_turns: int = 0
-    spliced_turns: int = 0
-    splice_misses: int = 0
-    splice_ms: float = 0.0
-    request_ms: float = 0.0
-    misses_by_reason: Counter[str] = field(default_factory=Counter)
-
-    def add(self, r: TurnRecord) -> None:
-        self.turns += 1
-        self.prompt_tokens += r.prompt_tokens
-        self.cached_tokens += r.cached_tokens
-        self.prefilled_tokens += r.prefilled_tokens
-        self.splice_prefilled_tokens += r.splice_prefilled
-        self.rotated_tokens += r.rotated_tokens
-        self.best_cached_tokens += r.best_cached_tokens
-        self.directives_amortize += r.directives_amortize
-        self.directives_forget += r.directives_forget
-        self.edited_turns += r.edited
-        self.spliced_turns += r.spliced
-        self.splice_misses += r.splice_error is not None
-        if r.splice_error is not None:
-            self.misses_by_reason[r.splice_miss_reason or "backend_error"] += 1
-        self.splice_ms += r.splice_ms
-        self.request_ms += r.request_ms
-
-    def merge(self, other: Counters) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    @classmethod
-    def of(cls, records: Sequence[TurnRecord]) -> Counters:
-        out = cls()
-        for r in records:
-            out.add(r)
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["misses_by_reason"] = dict(self.misses_by_reason)
-        return out
 
 
 @dataclass
@@ -201,13 +76,13 @@ class ProxySession:
             forms = [match_form(m) for m in self.core.messages]
             sizes, total = [], 0
             for f in forms:
-                total += _size(f)
+                total += size(f)
                 sizes.append(total)
             self._seen, self._form = self.core.messages, (forms, sizes)
         return self._form
 
     def summary(self) -> dict[str, Any]:
-        """Counters of the session (``GET /leyline/sessions``)."""
+        """Totals of the session (``GET /leyline/sessions``)."""
         return {
             "id": self.id,
             "tenant": self.tenant,
@@ -216,22 +91,12 @@ class ProxySession:
             "splice": self.core.splice_enabled,
             "created": self.created,
             "in_flight": self.lock.locked(),
-            **Counters.of(self.core.records).as_dict(),
+            **Totals.of(self.core.records).as_dict(),
         }
 
     def detail(self) -> dict[str, Any]:
         """The summary plus every turn's record (``GET /leyline/sessions/{id}``)."""
         return {**self.summary(), "records": [r.model_dump() for r in self.core.records]}
-
-
-def _shared(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> int:
-    """Leading messages ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class SessionRegistry:
@@ -259,8 +124,8 @@ class SessionRegistry:
         self._min_shared = min_shared
         self._sessions: dict[SessionKey, ProxySession] = {}
         self._lock = threading.Lock()
-        self.retired = Counters()
-        self._retired_by_tenant: dict[str, Counters] = {}
+        self.retired = Totals()
+        self._retired_by_tenant: dict[str, Totals] = {}
         self.created = 0
         self._created_by_tenant: Counter[str] = Counter()
 
@@ -281,12 +146,9 @@ class SessionRegistry:
         cache_salt = cache_salt or None
         with self._lock:
             if header or user:
-                key = (
-                    SessionKey(tenant, "header", header)
-                    if header
-                    else SessionKey(tenant, "user", user or "")
-                )
-                session = self._sessions.get(key) or self._add(key, key.kind, cache_salt)
+                source: Source = "header" if header else "user"
+                key = SessionKey(tenant, source, header or user or "")
+                session = self._sessions.get(key) or self._add(key, source, cache_salt)
             else:
                 session = self._match(messages, tenant, cache_salt) or self._add(
                     SessionKey(tenant, "anon", uuid.uuid4().hex), "new", cache_salt
@@ -320,7 +182,7 @@ class SessionRegistry:
             if incoming is None:
                 incoming = [match_form(m) for m in messages]
             forms, sizes = s.committed_form()
-            n = _shared(forms, incoming)
+            n = shared(forms, incoming)
             if n == 0:
                 continue
             exact = n == len(forms)
@@ -349,9 +211,9 @@ class SessionRegistry:
         )
         for old in idle[: max(0, len(self._sessions) - self._max)]:
             del self._sessions[old.key]
-            counters = Counters.of(old.core.records)
+            counters = Totals.of(old.core.records)
             self.retired.merge(counters)
-            self._retired_by_tenant.setdefault(old.tenant, Counters()).merge(counters)
+            self._retired_by_tenant.setdefault(old.tenant, Totals()).merge(counters)
         return session
 
     def get(self, session_id: str, tenant: str = DEFAULT_TENANT) -> ProxySession | None:
@@ -371,46 +233,10 @@ class SessionRegistry:
         """Sessions ever created (in ``tenant``, when given)."""
         return self.created if tenant is None else self._created_by_tenant[tenant]
 
-    def totals(self, tenant: str | None = None) -> Counters:
-        """Counters over every session ever served, live and dropped (of ``tenant``)."""
-        out = Counters()
+    def totals(self, tenant: str | None = None) -> Totals:
+        """Totals over every session ever served, live and dropped (of ``tenant``)."""
+        out = Totals()
         out.merge(self.retired if tenant is None else self._retired_by_tenant.get(tenant, out))
         for s in self.sessions(tenant):
-            out.merge(Counters.of(s.core.records))
+            out.merge(Totals.of(s.core.records))
         return out
-
-
-class TraceRecorder:
-    """``--record DIR``: one JSONL file per session, one line per finished turn.
-
-    Line: ``{"session": id, "tenant": t, "turn": n, "messages": [...], "tools": [...]}`` with the
-    message list as the agent sent it (before the policy). ``leyline_agent.traces.load(DIR)``
-    reads each file back as one trace (the JSONL loader's one-request-per-line shape). The file
-    name is ``<tenant>+<public id>``, each percent-escaped (reversible, and ``+`` never occurs in
-    an escaped part, so two sessions never share a file), e.g. ``default+dg-1a2b-none-config``;
-    past 160 characters it is cut and 16 hex digits of its SHA-256 are appended.
-    """
-
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def path(self, key: SessionKey) -> Path:
-        stem = f"{_escape(key.tenant)}+{_escape(key.public_id)}"  # "+" is always escaped
-        if len(stem) > 160:
-            stem = stem[:140] + "-" + hashlib.sha256(stem.encode()).hexdigest()[:16]
-        return self.directory / (stem + ".jsonl")
-
-    def write(
-        self,
-        key: SessionKey,
-        turn: int,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None,
-    ) -> None:
-        line = {"session": key.public_id, "tenant": key.tenant, "turn": turn}
-        line["messages"] = list(messages)
-        if tools:
-            line["tools"] = list(tools)
-        with self.path(key).open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")

@@ -1,16 +1,7 @@
 """Replay traces turn by turn through the arms, one ``SessionCore`` per (level, trace, arm).
 
-Arms (teacher-forced: each turn sends the recorded message list and generates one token):
-
-=============  ===========================  =====================================================
-arm            policy                       what the backend does
-=============  ===========================  =====================================================
-``none``       ``none``                     the history only grows; radix prefix caching at best
-``reprefill``  the policy, ``splice=False``  the edited prompt as is: cache hit up to the first
-                                            edit, everything after it re-prefilled
-``splice``     the policy, ``splice=True``   the edits as directives (``/leyline/splice``), then
-                                            the edited prompt
-=============  ===========================  =====================================================
+Arms (``leyline_agent.arms``), teacher-forced: each turn sends the recorded message list and
+generates one token.
 
 Every session has its own namespace (``extra_key``), so arms and levels never share cache entries.
 At concurrency level ``c`` the sessions of one level run on a pool of ``c`` threads (sessions run
@@ -33,89 +24,21 @@ from typing import NamedTuple
 
 import httpx
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from leyline_agent.arms import Arm, arm_switch
 from leyline_agent.chat.render import Renderer
 from leyline_agent.client import LeylineClient
 from leyline_agent.policies import Policy, PolicyError, parse_policy
-from leyline_agent.replay import ARMS, DEFAULT_POLICY, Arm
-from leyline_agent.session import SessionCore, TurnRecord
+from leyline_agent.replay.spec import ReplaySpec, TurnRow
+from leyline_agent.session import SessionCore
 from leyline_agent.traces import Trace
 from leyline_agent.wrapper import ConversationWrapper
-
-
-class ReplaySpec(BaseModel):
-    """What to replay and how (the CLI's options; recorded in ``results.json``).
-
-    traces: trace files or directories as given (the built-in examples' directory included).
-    policy: policy spec of the ``reprefill`` and ``splice`` arms.
-    arms: arms to run, in report order.
-    concurrency: levels; at each, that many sessions run at once.
-    max_turns: replay only the first N turns of each trace (None: all).
-    seed: seeds the order in which a level's sessions are submitted.
-    agreement: run the argmax reference path on spliced turns.
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    traces: list[str]
-    policy: str = DEFAULT_POLICY
-    arms: list[Arm] = Field(default_factory=lambda: list(ARMS), min_length=1)
-    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
-    max_turns: int | None = Field(default=None, ge=1)
-    model_path: str | None = None
-    backend: str | None = None
-    seed: int = 0
-    agreement: bool = True
-
-    @field_validator("arms")
-    @classmethod
-    def _unique_arms(cls, arms: list[Arm]) -> list[Arm]:
-        if len(set(arms)) != len(arms):
-            raise ValueError(f"arms given twice: {arms}")
-        return arms
-
-    @field_validator("concurrency")
-    @classmethod
-    def _levels(cls, levels: list[int]) -> list[int]:
-        if any(c < 1 for c in levels) or len(set(levels)) != len(levels):
-            raise ValueError(f"concurrency levels must be distinct integers >= 1, got {levels}")
-        return levels
-
-
-class TurnRow(TurnRecord):
-    """One replayed turn: the session's ``TurnRecord`` plus where it ran.
-
-    turn_ms: splice time + request time (end to end, as the agent waits).
-    reused_tokens: prompt tokens whose KV was not computed in this turn (prompt − prefilled).
-    reference_token: first token of the exact reference path (spliced turns of the splice arm).
-    argmax_agree: ``first_token == reference_token`` (None where no reference ran).
-    error: why the turn could not run (template or policy error, or the backend refused the
-        request with a 4xx status, e.g. a prompt longer than the model's context); it was skipped
-        and the next turn started a fresh prompt.
-    skip_reason: the short form of ``error`` that the totals count (``TemplateError``,
-        ``PolicyError``, ``HTTP 400``, ...).
-    """
-
-    level: int
-    arm: Arm
-    trace: str
-    turn_ms: float = 0.0
-    reused_tokens: int = 0
-    reference_token: int | None = None
-    argmax_agree: bool | None = None
-    error: str | None = None
-    skip_reason: str | None = None
 
 
 class LevelResult(NamedTuple):
     level: int
     rows: list[TurnRow]
     wall_s: float
-
-
-def arm_policy(arm: Arm, policy: Policy) -> Policy | str:
-    return "none" if arm == "none" else policy
 
 
 def replay_session(
@@ -141,11 +64,12 @@ def replay_session(
         httpx.HTTPError: the backend failed a request otherwise (5xx, unreachable, 401/403: the
             backend needs ``--backend-api-key``).
     """
+    switch = arm_switch(arm, policy)
     core = SessionCore(
         client,
-        ConversationWrapper(renderer, arm_policy(arm, policy)),
+        ConversationWrapper(renderer, switch.policy),
         session_id=session_id,
-        splice=arm == "splice",
+        splice=switch.splice,
     )
     reference_ns = f"{core.namespace}:ref"
     rows: list[TurnRow] = []
@@ -157,11 +81,11 @@ def replay_session(
                 not e.response.is_client_error or e.response.status_code in (401, 403)
             ):
                 raise  # a server error, or a missing or wrong backend key: not the turn's fault
-            core.wrapper.reset()
+            core.forget()
             reason, message = skip_reason(e)
             row = TurnRow(
-                turn=i, prompt_tokens=0, cached_tokens=0, prefilled_tokens=0,
-                best_cached_tokens=0, level=level, arm=arm, trace=trace.name,
+                turn=i, prompt_tokens=0, server_cached_tokens=0, prefilled_tokens=0,
+                reused_tokens=0, best_reused_tokens=0, level=level, arm=arm, trace=trace.name,
                 error=message, skip_reason=reason,
             )  # fmt: skip
         else:
@@ -171,7 +95,6 @@ def replay_session(
                 arm=arm,
                 trace=trace.name,
                 turn_ms=record.splice_ms + record.request_ms,
-                reused_tokens=max(0, record.prompt_tokens - record.prefilled_tokens),
             )
             if agreement and record.spliced:
                 ref = client.generate(core.wrapper.tokens, extra_key=reference_ns)

@@ -3,7 +3,8 @@
 ``open_backend`` yields what the run talks to: the embedded ``leyline serve`` (started and
 stopped here), a running ``leyline serve`` (``--backend``) or any OpenAI-compatible endpoint
 (``--llm-url``). ``probe_backend`` asks it whether it serves random weights (SGLang's
-``/get_model_info``: ``load_format == "dummy"``) and whether it can splice (``/leyline/stats``).
+``/get_model_info``: ``load_format == "dummy"``) and whether it can splice (``/leyline/stats``;
+both through ``runinfo.backend_info``).
 ``ProxyServer`` serves ``leyline_agent.proxy.create_app`` on a loopback thread. A backend that
 needs a key (``leyline serve --api-key``, a hosted endpoint) gets it on the probe and from the
 proxy on every forwarded request (``Backend.api_key``, never written to the results).
@@ -24,6 +25,7 @@ import httpx
 from leyline_agent.backends.sglang.launch import free_port
 from leyline_agent.client import auth_headers
 from leyline_agent.evals.debug_gym.spec import EvalSpec
+from leyline_agent.runinfo import backend_info
 
 
 class EvalError(RuntimeError):
@@ -55,7 +57,6 @@ def probe_backend(url: str, model: str | None, api_key: str | None = None) -> Ba
         EvalError: the backend refuses the key (401/403), or needs one and got none.
     """
     url = _base_url(url)
-    info: dict[str, Any] = {"url": url}
     with httpx.Client(base_url=url, timeout=10, headers=auth_headers(api_key)) as http:
         try:
             status = http.get("/v1/models").status_code
@@ -64,25 +65,14 @@ def probe_backend(url: str, model: str | None, api_key: str | None = None) -> Ba
         if status in (401, 403):
             what = "refuses the key" if api_key else "needs a key (--backend-api-key)"
             raise EvalError(f"{url} {what}: GET /v1/models answered {status}")
-        try:
-            r = http.get("/get_model_info")
-            if r.status_code == 200:
-                data = r.json()
-                info.update({k: data.get(k) for k in ("model_path", "load_format", "model_type")})
-        except (httpx.HTTPError, ValueError) as e:
-            info["model_info_error"] = repr(e)
-        try:
-            leyline = http.get("/leyline/stats").status_code == 200
-        except httpx.HTTPError:
-            leyline = False
+        info = backend_info(http)
         if model is None:
             try:
                 model = http.get("/v1/models").json()["data"][0]["id"]
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
                 model = "default"
-    info["leyline"] = leyline
     dummy = info.get("load_format") == "dummy"
-    return Backend(url, model, leyline, dummy, info, api_key=api_key)
+    return Backend(url, model, info["leyline"], dummy, info, api_key=api_key)
 
 
 @contextmanager

@@ -1,11 +1,11 @@
 """Totals per arm, the terminal table, ``results.json``, the PNG plot and the headline JSON.
 
 Per arm (summed over tasks): ``tasks``, ``resolved``, ``resolve_rate``, ``steps`` (model calls),
-``tool_calls`` (calls of a tool the env has, executed), ``turns`` (requests the proxy answered),
-``edited_turns`` (turns whose prompt carried directives: the policy's edits or the agent's own
-mutations), ``prompt_tokens``, ``cached_tokens`` (prompt − prefilled: KV reused),
-``prefilled_tokens`` (request's uncached part plus what splices prefilled), the same two on the
-edited turns only, ``hit_rate``, ``wall_s`` and ``errors``.
+``tool_calls`` (calls of a tool the env has, executed), ``empty_tool_responses``, the
+``accounting.Totals`` of the proxy's turns (``turns``: requests the proxy answered,
+``edited_turns``, ``policy_edited_turns``, ``prompt_tokens``, ``reused_tokens``,
+``prefilled_tokens``, the edited turns' ``edited_prompt_tokens``/``edited_prefilled_tokens``,
+``hit_rate``, ...: see ``accounting.py``), ``wall_s`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.table import Table
 
+from leyline_agent.accounting import Totals
 from leyline_agent.evals.debug_gym.runner import EvalRun
 from leyline_agent.evals.debug_gym.spec import TaskResult
 
@@ -31,22 +32,23 @@ CONSTRAINED_NOTE = (
 UNSANDBOXED_NOTE = (
     "tools ran unsandboxed on this host, each task in a throwaway copy under OUT/<arm>/workdirs"
 )
-_SUMS = (
-    "steps",
-    "tool_calls",
-    "empty_tool_responses",
+_STEPS = ("steps", "tool_calls", "empty_tool_responses")
+_TOTALS = (
     "turns",
     "edited_turns",
     "policy_edited_turns",
     "spliced_turns",
     "splice_misses",
     "prompt_tokens",
-    "cached_tokens",
+    "reused_tokens",
     "server_cached_tokens",
+    "best_reused_tokens",
     "prefilled_tokens",
     "splice_prefilled_tokens",
     "edited_prompt_tokens",
     "edited_prefilled_tokens",
+    "hit_rate",
+    "best_hit_rate",
 )
 
 
@@ -54,9 +56,13 @@ def arm_totals(rows: Sequence[TaskResult]) -> dict[str, Any]:
     """Totals of one arm (see the module docstring)."""
     out: dict[str, Any] = {"tasks": len(rows), "resolved": sum(r.resolved for r in rows)}
     out["resolve_rate"] = out["resolved"] / len(rows) if rows else 0.0
-    for key in _SUMS:
+    for key in _STEPS:
         out[key] = sum(getattr(r, key) for r in rows)
-    out["hit_rate"] = out["cached_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
+    totals = Totals()
+    for r in rows:
+        totals.merge(r.totals())
+    summed = totals.as_dict()
+    out.update({k: summed[k] for k in _TOTALS})
     out["wall_s"] = round(sum(r.wall_s for r in rows), 2)
     out["errors"] = sum(r.error is not None for r in rows)
     return out
@@ -80,7 +86,7 @@ def headline(summary: dict[str, dict[str, Any]], run: EvalRun, path: Path | None
     """The last stdout line."""
     keys = ("tasks", "resolved", "resolve_rate", "steps", "tool_calls", "edited_turns")
     keys += ("policy_edited_turns",)
-    keys += ("prompt_tokens", "cached_tokens", "prefilled_tokens", "edited_prefilled_tokens")
+    keys += ("prompt_tokens", "reused_tokens", "prefilled_tokens", "edited_prefilled_tokens")
     arms = {a: {k: t[k] for k in keys} for a, t in summary.items()}
     doc: dict[str, Any] = {"arms": arms, "policy": run.spec.policy, "notes": notes(run)}
     doc["results"] = str(path) if path else None
@@ -95,7 +101,7 @@ def table(summary: dict[str, dict[str, Any]], run: EvalRun) -> Table:
     for col in ("prompt tok", "prefilled", "hit rate", "edited prefilled", "wall s"):
         t.add_column(col, justify="right")
     for r in sorted(run.results, key=lambda r: (r.task, run.spec.arms.index(r.arm))):
-        hit = (r.cached_tokens / r.prompt_tokens) if r.prompt_tokens else 0.0
+        hit = r.totals().hit_rate
         t.add_row(
             r.task, r.arm, "yes" if r.resolved else ("error" if r.error else "no"),
             str(r.steps), str(r.tool_calls), str(r.edited_turns), str(r.prompt_tokens),
@@ -116,11 +122,10 @@ def table(summary: dict[str, dict[str, Any]], run: EvalRun) -> Table:
 def write_results(out: Path, run: EvalRun, summary: dict[str, dict[str, Any]]) -> Path:
     """``out/results.json``: arguments, environment, data, totals per arm, every task."""
     from leyline_agent.evals.debug_gym.venv import DEBUG_GYM_VERSION
-    from leyline_agent.replay.report import environment
+    from leyline_agent.runinfo import environment
 
     out.mkdir(parents=True, exist_ok=True)
-    env = environment(run.backend)
-    env["versions"]["debug-gym"] = DEBUG_GYM_VERSION
+    env = environment(run.backend, versions={"debug-gym": DEBUG_GYM_VERSION})
     doc = {
         "arguments": run.spec.model_dump(mode="json"),
         "environment": env,

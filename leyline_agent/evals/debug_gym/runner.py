@@ -8,7 +8,7 @@ Per run::
     for arm in arms:
         with ProxyServer(backend, arm's policy, splice)   # in-process, a free loopback port
             driver.py run                                 # debug-gym's venv; events on stdout
-            GET /leyline/sessions/{id} per task           # the proxy's per-turn records
+            GET /leyline/sessions/{id} per task           # the proxy's per-turn records, totals
 
 Every task's session is ``X-Leyline-Session: dg-<run>-<arm>-<task>``, so arms and runs never
 share the backend's cache namespace. The driver runs each task in a throwaway working directory
@@ -19,9 +19,6 @@ unsandboxed on this host.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -30,14 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from leyline_agent.accounting import Totals, TurnRecord
+from leyline_agent.arms import Arm, arm_switch
 from leyline_agent.evals.debug_gym.backend import Backend, EvalError, ProxyServer, open_backend
 from leyline_agent.evals.debug_gym.grammar import READ_ONLY_TOOLS, step_grammars, task_files
-from leyline_agent.evals.debug_gym.spec import FULL_TOOLS, EvalSpec, TaskResult, arm_switch
+from leyline_agent.evals.debug_gym.process import Event, prepare_data, run_driver, terminal_env
+from leyline_agent.evals.debug_gym.spec import FULL_TOOLS, EvalSpec, TaskResult
 from leyline_agent.evals.debug_gym.venv import DebugGymVenv, ensure_venv
-from leyline_agent.replay import Arm
-
-DRIVER = Path(__file__).with_name("driver.py")
-Event = dict[str, Any]
 
 
 def tools_for(spec: EvalSpec, constrained: bool) -> list[str]:
@@ -51,116 +47,10 @@ def tools_for(spec: EvalSpec, constrained: bool) -> list[str]:
     return tools
 
 
-def terminal_env(venv: DebugGymVenv, tmp: Path) -> dict[str, str]:
-    """The terminal's whole environment: this venv's python (pytest, pandas) first on PATH, a
-    ``tree`` stand-in when the host has none, and nothing else of the runner's environment."""
-    path = [str(venv.bin_dir)]
-    if shutil.which("tree") is None:
-        path.append(str(venv.shim_dir))
-    path.append(os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"))
-    home = os.environ.get("HOME", str(tmp))
-    return {"PATH": os.pathsep.join(path), "HOME": home, "LANG": "C.UTF-8", "TMPDIR": str(tmp)}
-
-
-def _driver(
-    venv: DebugGymVenv,
-    command: str,
-    spec_doc: dict[str, Any],
-    spec_path: Path,
-    log_path: Path,
-    on_event: Callable[[Event], None],
-) -> list[Event]:
-    """Run ``driver.py COMMAND`` in debug-gym's venv; returns its events (stdout lines)."""
-    spec_path.parent.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(json.dumps(spec_doc, indent=1))
-    tmp = Path(spec_doc["out_dir"]) / "workdirs"
-    tmp.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "PYTHONUNBUFFERED": "1",
-        "TMPDIR": str(tmp),
-    }
-    events: list[Event] = []
-    argv = [str(venv.python), "-P", str(DRIVER), command, str(spec_path)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        try:
-            for line in proc.stdout or ():
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                events.append(event)
-                on_event(event)
-            rc = proc.wait()
-        finally:
-            if proc.poll() is None:  # interrupted: do not leave the driver running
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    if rc != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise EvalError(f"driver.py {command} failed ({rc}); log {log_path}:\n{tail}")
-    return events
-
-
-def prepare_data(spec: EvalSpec, venv: DebugGymVenv) -> dict[str, Any]:
-    """``{"data_dir", "source", "tasks"}`` from ``driver.py prepare``."""
-    out = spec.out_dir.resolve()
-    doc = {"data_dir": spec.data_dir and str(Path(spec.data_dir).resolve()), "out_dir": str(out)}
-    events = _driver(
-        venv, "prepare", doc, out / "prepare.json", out / "prepare.log", lambda e: None
-    )
-    return next(e for e in events if e.get("event") == "prepared")
-
-
-def session_totals(detail: dict[str, Any] | None) -> dict[str, int]:
-    """Token counters of one proxy session (``GET /leyline/sessions/{id}``)."""
+def session_totals(detail: dict[str, Any] | None) -> Totals:
+    """The turn totals of one proxy session (``GET /leyline/sessions/{id}``)."""
     records = (detail or {}).get("records") or []
-    edited = [r for r in records if r.get("edited")]
-
-    def total(rows: list[dict[str, Any]], key: str) -> int:
-        return int(sum(r.get(key) or 0 for r in rows))
-
-    prompt, prefilled = total(records, "prompt_tokens"), total(records, "prefilled_tokens")
-    return {
-        "turns": len(records),
-        "edited_turns": len(edited),
-        "spliced_turns": sum(bool(r.get("spliced")) for r in records),
-        "splice_misses": sum(r.get("splice_error") is not None for r in records),
-        "prompt_tokens": prompt,
-        "prefilled_tokens": prefilled,
-        "cached_tokens": max(0, prompt - prefilled),
-        "server_cached_tokens": total(records, "cached_tokens"),
-        "splice_prefilled_tokens": total(records, "splice_prefilled"),
-        "edited_prompt_tokens": total(edited, "prompt_tokens"),
-        "edited_prefilled_tokens": total(edited, "prefilled_tokens"),
-    }
-
-
-def policy_edited_turns(trajectory: Path, policy: str, model_path: str | None) -> int:
-    """Turns of a recorded episode on which ``policy`` edits the messages the agent sent.
-
-    Policies are deterministic, so this is exactly what the proxy's policy did; it tells the
-    policy's edits apart from the agent's own mutations (froggy's system prompt), which the proxy
-    also turns into directives.
-    """
-    from leyline_agent.traces.debug_gym import load
-    from leyline_agent.wrapper import ConversationWrapper
-
-    if policy == "none" or not trajectory.is_file():
-        return 0
-    wrapper = ConversationWrapper(model_path, policy)
-    return sum(
-        bool(wrapper.policy(wrapper.conversation(messages, trace.tools)))
-        for trace in load(trajectory)
-        for messages in trace.turns
-    )
+    return Totals.of(TurnRecord.model_validate(r) for r in records)
 
 
 @dataclass
@@ -230,7 +120,7 @@ def run_arm(ctx: ArmContext, arm: Arm, on_event: Callable[[Event], None]) -> lis
                 ends[event["task"]] = event
             on_event({**event, "arm": arm})
 
-        _driver(ctx.venv, "run", doc, out / "driver.json", out / "driver.log", forward)
+        run_driver(ctx.venv, "run", doc, out / "driver.json", out / "driver.log", forward)
         results = []
         for task in spec.tasks:
             end = ends.get(task, {"error": "the driver reported no result"})
@@ -242,20 +132,9 @@ def run_arm(ctx: ArmContext, arm: Arm, on_event: Callable[[Event], None]) -> lis
             detail = proxy.session(sessions[task])
             if detail is not None and (out / task).is_dir():  # the proxy's per-turn records
                 (out / task / "proxy_session.json").write_text(json.dumps(detail, indent=1))
-            totals = session_totals(detail)
-            edits = policy_edited_turns(
-                out / task / "trajectory.json", switch.policy, spec.model_path
-            )
-            results.append(
-                TaskResult(
-                    arm=arm,
-                    task=task,
-                    session=sessions[task],
-                    policy_edited_turns=edits,
-                    **fields,
-                    **totals,
-                )
-            )
+            totals = session_totals(detail).as_dict()
+            kept = {k: v for k, v in totals.items() if k in TaskResult.model_fields}
+            results.append(TaskResult(arm=arm, task=task, session=sessions[task], **fields, **kept))
     return results
 
 

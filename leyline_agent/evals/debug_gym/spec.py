@@ -1,6 +1,7 @@
 """What a ``leyline eval debug-gym`` run is (``EvalSpec``) and what it yields (``TaskResult``).
 
-Arms (as in ``leyline replay``, but live: the agent's own requests go through a proxy):
+Arms (``leyline_agent.arms``, as in ``leyline replay``, but live: the agent's own requests go
+through a proxy):
 
 - ``none``: policy ``none``, no splices: the history only grows; the agent's own mutations
   (froggy's system prompt, see ``docs/debug_gym.md``) are re-prefilled as today.
@@ -10,12 +11,13 @@ Arms (as in ``leyline replay``, but live: the agent's own requests go through a 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
-from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from leyline_agent.replay import ARMS, DEFAULT_POLICY, Arm
+from leyline_agent.accounting import Totals
+from leyline_agent.arms import ARMS, DEFAULT_POLICY, Arm
 
 TASK_NAMES: tuple[str, ...] = (
     "config",
@@ -31,16 +33,6 @@ TASK_NAMES: tuple[str, ...] = (
 )
 # Tools for a real model; bash is left out (it runs unsandboxed on the host) unless asked for.
 FULL_TOOLS: tuple[str, ...] = ("view", "listdir", "eval", "edit", "submit")
-
-
-class ArmSwitch(NamedTuple):
-    policy: str
-    splice: bool
-
-
-def arm_switch(arm: Arm, policy: str) -> ArmSwitch:
-    """The proxy's switches for one arm (see the module docstring)."""
-    return ArmSwitch("none" if arm == "none" else policy, arm == "splice")
 
 
 class EvalSpec(BaseModel):
@@ -103,12 +95,10 @@ def parse_tasks(text: str) -> list[str]:
 
 
 class TaskResult(BaseModel):
-    """One task under one arm. Tokens are counts summed over the task's turns (from the proxy's
-    ``/leyline/sessions/{id}``); ``cached_tokens`` = prompt − prefilled (KV reused), while
-    ``server_cached_tokens`` is the backend's own count (it includes what a splice prefilled just
-    before the request); ``edited_*`` cover only the turns whose prompt had directives (the
-    policy's edits or the agent's own mutations); ``policy_edited_turns``: turns the policy
-    edited."""
+    """One task under one arm. From ``turns`` on: the ``accounting.Totals`` of the task's turns
+    as the proxy recorded them (``/leyline/sessions/{id}``; names defined in ``accounting.py``):
+    ``edited_*`` cover only the turns whose prompt had directives (the policy's edits or the
+    agent's own mutations); ``policy_edited_turns``: turns the policy edited."""
 
     arm: Arm
     task: str
@@ -125,11 +115,19 @@ class TaskResult(BaseModel):
     spliced_turns: int = 0
     splice_misses: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    reused_tokens: int = 0
     server_cached_tokens: int = 0
+    best_reused_tokens: int = 0
     prefilled_tokens: int = 0
     splice_prefilled_tokens: int = 0
     edited_prompt_tokens: int = 0
     edited_prefilled_tokens: int = 0
     wall_s: float = 0.0
     error: str | None = None
+
+    def totals(self) -> Totals:
+        """The task's turn totals (the ``Totals`` fields this result carries)."""
+        return Totals(**{f.name: getattr(self, f.name) for f in fields(Totals) if f.name in KEPT})
+
+
+KEPT = frozenset(TaskResult.model_fields) & {f.name for f in fields(Totals)}

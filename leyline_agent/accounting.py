@@ -1,0 +1,143 @@
+"""Turn accounting: what one turn cost (``TurnRecord``) and sums over turns (``Totals``).
+
+One name, one meaning, for every report (proxy sessions and ``/metrics``, ``leyline replay``,
+``leyline eval debug-gym``); tokens are counts, times milliseconds:
+
+=============================  ==================================================================
+``prompt_tokens``              tokens of the prompt the backend received
+``server_cached_tokens``       the backend's own count of cached prompt tokens (SGLang's
+                               ``usage.prompt_tokens_details.cached_tokens``); it also counts
+                               the replacement tokens a splice prefilled just before the request
+``prefilled_tokens``           tokens run through the model for the turn: the request's uncached
+                               part plus what the splice prefilled (``splice_prefilled_tokens``)
+``reused_tokens``              ``prompt − prefilled``: prompt tokens whose KV was reused
+``best_reused_tokens``         an upper bound of ``reused_tokens`` under the session's arm
+                               (``SessionCore.best_reused``)
+``rotated_tokens``             cached tokens a splice moved to new positions (re-rotated)
+``policy_edits``               edits the policy returned for the turn (``policy_edited_turns``:
+                               turns with at least one)
+``edited``                     the prompt carried directives: the policy's edits or the agent's own
+                               changes to its history
+=============================  ==================================================================
+
+``hit_rate = reused / prompt``; ``best_hit_rate = best_reused / prompt``. The bare name
+``cached_tokens`` is only the wire field of the backend's answers (OpenAI ``usage``, SGLang's
+``meta_info``) and the Prometheus family ``leyline_proxy_cached_tokens_total``, which is
+``server_cached_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class TurnRecord(BaseModel):
+    """One turn (see the module docstring for the token quantities)."""
+
+    turn: int
+    prompt_tokens: int
+    server_cached_tokens: int
+    prefilled_tokens: int
+    reused_tokens: int
+    best_reused_tokens: int
+    splice_prefilled_tokens: int = 0
+    rotated_tokens: int = 0
+    policy_edits: int = 0
+    directives_amortize: int = 0
+    directives_forget: int = 0
+    edited: bool = False
+    spliced: bool = False
+    splice_error: str | None = None
+    splice_miss_reason: str | None = None  # client.miss_reason of splice_error
+    splice_ms: float = 0.0
+    request_ms: float = 0.0
+    ttft_ms: float | None = None
+    first_token: int | None = None
+    render_mismatch: bool = False  # the backend's prompt tokens differ from the rendered ones
+    resynced: bool = False  # ... and the session adopted the backend's tokens
+    error: str | None = None  # the request failed after the cache changed (a splice ran)
+
+
+@dataclass
+class Totals:
+    """Sums over turns (see the module docstring).
+
+    ``splice_misses``: edited turns whose splice could not run (the request went out anyway),
+    also counted per reason in ``misses_by_reason``; ``edited_prompt_tokens`` and
+    ``edited_prefilled_tokens`` cover the edited turns only.
+    """
+
+    turns: int = 0
+    edited_turns: int = 0
+    policy_edited_turns: int = 0
+    spliced_turns: int = 0
+    splice_misses: int = 0
+    prompt_tokens: int = 0
+    server_cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    best_reused_tokens: int = 0
+    splice_prefilled_tokens: int = 0
+    rotated_tokens: int = 0
+    edited_prompt_tokens: int = 0
+    edited_prefilled_tokens: int = 0
+    directives_amortize: int = 0
+    directives_forget: int = 0
+    splice_ms: float = 0.0
+    request_ms: float = 0.0
+    misses_by_reason: Counter[str] = field(default_factory=Counter)
+
+    def add(self, r: TurnRecord) -> None:
+        self.turns += 1
+        self.edited_turns += r.edited
+        self.policy_edited_turns += r.policy_edits > 0
+        self.spliced_turns += r.spliced
+        self.prompt_tokens += r.prompt_tokens
+        self.server_cached_tokens += r.server_cached_tokens
+        self.prefilled_tokens += r.prefilled_tokens
+        self.reused_tokens += r.reused_tokens
+        self.best_reused_tokens += r.best_reused_tokens
+        self.splice_prefilled_tokens += r.splice_prefilled_tokens
+        self.rotated_tokens += r.rotated_tokens
+        if r.edited:
+            self.edited_prompt_tokens += r.prompt_tokens
+            self.edited_prefilled_tokens += r.prefilled_tokens
+        self.directives_amortize += r.directives_amortize
+        self.directives_forget += r.directives_forget
+        if r.splice_error is not None:
+            self.splice_misses += 1
+            self.misses_by_reason[r.splice_miss_reason or "backend_error"] += 1
+        self.splice_ms += r.splice_ms
+        self.request_ms += r.request_ms
+
+    def merge(self, other: Totals) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @classmethod
+    def of(cls, records: Iterable[TurnRecord]) -> Totals:
+        out = cls()
+        for r in records:
+            out.add(r)
+        return out
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def best_hit_rate(self) -> float:
+        return self.best_reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, ``misses_by_reason`` as a plain dict, ``hit_rate`` and
+        ``best_hit_rate``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["misses_by_reason"] = dict(self.misses_by_reason)
+        out["hit_rate"], out["best_hit_rate"] = self.hit_rate, self.best_hit_rate
+        return out

@@ -1,0 +1,219 @@
+"""``POST /v1/chat/completions`` through the proxy: one turn of a session.
+
+Per request::
+
+    session = registry.resolve(...)                  # header, user, longest message prefix, new
+    async with session.lock:                         # one turn of a session at a time
+        pending = core.begin(messages, tools)        # policy, diff, /leyline/splice (a thread)
+        forward core.chat_body(pending, body)        # edited messages, extra_key = namespace
+        core.finish(pending, prompt, cached, ...)    # usage from the backend's answer
+
+Render parity: every forwarded request asks the backend for its prompt token ids
+(``return_prompt_token_ids``: ``choices[i].prompt_token_ids`` in a plain answer; streams: see
+``relay.py``). The proxy removes them again when the client did not ask. When they differ from the
+rendered tokens the session adopts them (``SessionCore.finish``), counted in
+``leyline_proxy_render_mismatches_total`` and ``leyline_proxy_resyncs_total``.
+
+A turn whose splice ran is recorded (and written by ``--record``) even when the request after it
+fails or the client disconnects mid-stream: the cache changed, so the session state did too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+import httpx
+import jinja2
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from leyline_agent.accounting import TurnRecord
+from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
+from leyline_agent.chat.request import max_new_tokens, request_error, template_kwargs
+from leyline_agent.directive import DirectiveError
+from leyline_agent.policies import PolicyError
+from leyline_agent.proxy.auth import tenant_of
+from leyline_agent.proxy.identity import SESSION_HEADER
+from leyline_agent.proxy.relay import StreamEnd, relay
+from leyline_agent.proxy.responses import backend_error, error_response, passthrough, unreachable
+from leyline_agent.proxy.sessions import ProxySession
+from leyline_agent.session import Pending, RequestRefused
+
+if TYPE_CHECKING:
+    from leyline_agent.proxy.app import LeylineProxy
+
+log = logging.getLogger(__name__)
+
+
+class Turn:
+    """One request's session, plan and messages, and how it is recorded."""
+
+    def __init__(
+        self,
+        proxy: LeylineProxy,
+        session: ProxySession,
+        pending: Pending,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+    ) -> None:
+        self.proxy, self.session, self.pending = proxy, session, pending
+        self.messages, self.tools = messages, tools
+
+    def finish(
+        self,
+        usage_holder: dict[str, Any] | None,
+        *,
+        request_ms: float,
+        ttft_ms: float | None = None,
+        prompt_ids: list[int] | None = None,
+        error: str | None = None,
+    ) -> TurnRecord:
+        """Record the turn. ``usage_holder`` None: the request failed or was cut off after
+        reaching the backend (``error``); recorded with what is known."""
+        session, pending = self.session, self.pending
+        completion: int | None = None
+        if usage_holder is not None:
+            prompt, cached = read_usage(usage_holder, len(pending.plan.tokens))
+            completion = usage_holder["usage"].get("completion_tokens")
+        else:  # prefilled only if the backend sent a first token
+            prompt, cached = (len(pending.plan.tokens) if ttft_ms is not None else 0), 0
+        record = session.core.finish(
+            pending,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            request_ms=request_ms,
+            ttft_ms=ttft_ms,
+            messages=self.messages,
+            prompt_ids=prompt_ids,
+            error=error,
+            prefilled=usage_holder is not None or ttft_ms is not None,
+            completion_tokens=completion,
+        )
+        self.proxy.parity.add(record)
+        if self.proxy.recorder is not None:
+            self.proxy.recorder.write(session.key, record.turn, self.messages, self.tools)
+        if record.render_mismatch and not session.warned:
+            session.warned = True
+            log.warning(
+                "session %s: the backend's prompt (%d tokens) differs from the one Leyline "
+                "rendered (%d); the chat template or tokenizer differs from the backend's "
+                "(--model-path). The session follows the backend's tokens (resynced: %s)",
+                session.id, prompt, len(pending.plan.tokens), record.resynced,
+            )  # fmt: skip
+        return record
+
+    def failed(self, t0: float, error: int | str) -> None:
+        """A request that failed after ``begin``: recorded only when its splice ran (the cache,
+        hence the session, changed)."""
+        if self.pending.committed:
+            request_ms = (time.perf_counter() - t0) * 1e3
+            error = f"backend status {error}" if isinstance(error, int) else error
+            self.finish(None, request_ms=request_ms, error=error)
+
+    def stream_ended(self, end: StreamEnd) -> None:
+        """The end of a relayed stream: record the turn, then release the session."""
+        try:
+            self.finish(
+                end.usage, request_ms=end.request_ms, ttft_ms=end.ttft_ms,
+                prompt_ids=end.prompt_ids, error=end.error,
+            )  # fmt: skip
+        finally:
+            self.session.lock.release()
+
+
+async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
+    """One turn (see the module docstring); errors as ``app.py`` describes."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return error_response(400, "the request body is not JSON", "invalid_request_error")
+    refused = request_error(body)
+    if refused is not None:
+        return backend_error(400, refused)
+    messages = body["messages"]
+    tools = body.get("tools") or None
+    user = body.get("user")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return error_response(400, "'cache_salt' must be a string", "invalid_request_error")
+    context_len = await proxy.context_len()
+    session = proxy.registry.resolve(
+        messages,
+        header=request.headers.get(SESSION_HEADER),
+        user=user if isinstance(user, str) and user else None,
+        tenant=tenant_of(request),
+        cache_salt=salt,
+    )
+    headers = {SESSION_HEADER: session.id}
+    await session.lock.acquire()
+    handed_over = False  # the streaming relay releases the lock when it ends
+    turn: Turn | None = None
+    t0 = time.perf_counter()
+    try:
+        session.core.set_cache_salt(salt)  # one namespace (extra_key, cache_salt) per turn
+        cont = bool(body.get("continue_final_message"))
+        try:
+            view = chat_request_view(messages, tools, body.get("tool_choice"), cont)
+            pending = await anyio.to_thread.run_sync(
+                lambda: session.core.begin(
+                    *view,
+                    template_kwargs=template_kwargs(body),
+                    continue_final=cont,
+                    context_len=context_len,
+                    max_new_tokens=max_new_tokens(body),
+                )
+            )
+        except (RequestRefused, jinja2.TemplateError) as e:  # what the backend would say
+            return backend_error(400, str(e), headers)
+        except (PolicyError, DirectiveError) as e:
+            return error_response(
+                400, f"cannot apply the policy: {e}", "invalid_request_error", headers
+            )
+        turn = Turn(proxy, session, pending, messages, tools)
+        forward = session.core.chat_body(pending, body)
+        t0 = time.perf_counter()
+        if body.get("stream"):
+            forward["stream_options"] = {
+                **(body.get("stream_options") or {}),
+                "include_usage": True,
+            }
+            forward["return_input_ids_in_sglext"] = True
+            req = proxy.http.build_request("POST", "/v1/chat/completions", json=forward)
+            upstream = await proxy.http.send(req, stream=True)
+            if upstream.status_code != 200:
+                await upstream.aread()
+                await upstream.aclose()
+                turn.failed(t0, upstream.status_code)
+                return passthrough(upstream, headers)
+            lines = relay(
+                upstream,
+                prompt_len=len(pending.plan.tokens),
+                want_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+                want_ids=bool(body.get("return_input_ids_in_sglext")),
+                t0=t0,
+                on_end=turn.stream_ended,
+            )
+            handed_over = True
+            return StreamingResponse(lines, media_type="text/event-stream", headers=headers)
+        forward["return_prompt_token_ids"] = True
+        r = await proxy.http.post("/v1/chat/completions", json=forward)
+        request_ms = (time.perf_counter() - t0) * 1e3
+        if r.status_code != 200:
+            turn.failed(t0, r.status_code)
+            return passthrough(r, headers)
+        data = r.json()
+        keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
+        ids = pop_prompt_ids(data, keep=keep)
+        turn.finish(data, request_ms=request_ms, prompt_ids=ids)
+        return JSONResponse(data, headers=headers)
+    except httpx.HTTPError as e:
+        if turn is not None:
+            turn.failed(t0, repr(e))
+        return unreachable(proxy.backend_url, e, headers)
+    finally:
+        if not handed_over:
+            session.lock.release()
