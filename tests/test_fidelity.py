@@ -2,7 +2,7 @@
 ``leyline serve`` (CPU, fp32), 20 cases per kind through the three paths (full context, AMORTIZE,
 FORGET), then the report.
 
-The model: the default one if ``experiments/fidelity/train_tiny_mla.py`` has already cached it
+The model: the default one if ``leyline_agent/bench/fidelity/train.py`` has already cached it
 (``$LEYLINE_CACHE/fidelity-model/<hash>``), else a 400-step model trained here (seed 0, one
 thread, ~0.25 s of CPU per step) and cached the same way, so reruns do not retrain. 300 steps do
 not learn the ``carried`` lookup; see docs/fidelity.md.
@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from requires import require_sglang
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from experiments.fidelity import bench, report, train_tiny_mla  # noqa: E402
-from experiments.fidelity.task import (  # noqa: E402
+from leyline_agent.bench.fidelity import divergence, report
+from leyline_agent.bench.fidelity import train as training
+from leyline_agent.bench.fidelity.task import (
     KINDS,
     MASK,
     QU,
@@ -47,15 +43,15 @@ def model_dir() -> Path:
     import torch
 
     torch.set_num_threads(1)
-    default = train_tiny_mla.TrainSpec()
-    if (train_tiny_mla.default_out(default, TaskSpec()) / "fidelity.json").is_file():
-        return train_tiny_mla.train(default).model_dir
-    return train_tiny_mla.train(dataclasses.replace(default, steps=TEST_STEPS)).model_dir
+    default = training.TrainSpec()
+    if (training.default_out(default, TaskSpec()) / "fidelity.json").is_file():
+        return training.train(default).model_dir
+    return training.train(dataclasses.replace(default, steps=TEST_STEPS)).model_dir
 
 
 @pytest.fixture(scope="module")
 def result(model_dir: Path) -> dict[str, Any]:
-    return bench.run(model_dir, bench.BenchSpec(n=N, batch=40), dtype="float32")
+    return divergence.run(model_dir, divergence.BenchSpec(n=N, batch=40), dtype="float32")
 
 
 def test_task_cases_are_well_formed() -> None:

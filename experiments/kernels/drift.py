@@ -6,7 +6,8 @@ Table 1 (drift): K keys with a DeepSeek-V2-Lite rope band (d=64, deepseek_yarn f
 1, 10, 100 and 1000 splices the relative L2 error of the band, ||got - want|| / ||want|| over all
 keys, is taken against the exact fp64 rotation of the original key to its final position.
 "fp32 math" is the shipped torch reference (`delta_rotation_ref`, called through `delta_rotate`);
-"storage math" does the same rotation with cos/sin and products in the storage dtype.
+"storage math" does the same rotation with cos/sin and products in the storage dtype. The drift
+itself is ``leyline_agent.bench.fidelity.drift.drift`` (also part of ``leyline bench fidelity``).
 
 Table 2 (angles): one δ-rotation in fp32 storage, three ways of forming the angle, the numbers
 quoted in `leyline_agent.kernels.delta_rotation`.
@@ -25,62 +26,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from leyline_agent.kernels.delta_rotation import delta_rotate
+from leyline_agent.bench.fidelity.drift import CHECKPOINTS, deepseek_v2_lite_spec, drift
 from leyline_agent.kernels.delta_rotation_ref import unit_cos_sin
-from leyline_agent.kernels.rope import RopeBand, RopeSpec, apply_rotation, inv_freq, mscale, rotate
-
-MAX_POS = 163_840
-CHECKPOINTS = (1, 10, 100, 1000)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def deepseek_v2_lite_spec() -> RopeSpec:
-    config = {
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "max_position_embeddings": MAX_POS,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
-    }
-    return RopeSpec.from_hf_config(config)
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
-def storage_math_rotate(buf: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> None:
-    """The naive alternative: cos/sin and products in the storage dtype."""
-    cos, sin = unit_cos_sin(delta, spec)
-    cos, sin = cos[:, None].to(buf.dtype), sin[:, None].to(buf.dtype)
-    buf.copy_(apply_rotation(buf, cos, sin, spec.pairing))
-
-
-def drift(keys: int, steps: int, max_delta: int, seed: int) -> list[dict]:
-    spec = deepseek_v2_lite_spec()
-    band = RopeBand(0, spec.rotary_dim)
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(keys, 1, spec.rotary_dim, generator=gen, dtype=torch.float64)
-    start = torch.randint(0, MAX_POS, (keys,), generator=gen)
-    deltas = torch.randint(-max_delta, max_delta + 1, (steps, keys), generator=gen)
-    s = mscale(spec)
-    slots = torch.arange(keys)
-    rows = []
-    for dname, dtype in DTYPES.items():
-        for math_name in ("fp32", "storage"):
-            buf = (s * rotate(k, start, spec)).to(dtype)
-            pos = start.clone()
-            errors = {0: rel_l2(buf, s * rotate(k, pos, spec))}
-            for step in range(1, steps + 1):
-                new = (pos + deltas[step - 1]).clamp(0, MAX_POS - 1)
-                if math_name == "fp32":
-                    delta_rotate([buf], slots, slots, pos, new, spec, band, impl="torch")
-                else:
-                    storage_math_rotate(buf, new - pos, spec)
-                pos = new
-                if step in CHECKPOINTS:
-                    errors[step] = rel_l2(buf, s * rotate(k, pos, spec))
-            rows.append({"dtype": dname, "math": math_name, "rel_l2": errors})
-    return rows
+from leyline_agent.kernels.rope import apply_rotation, inv_freq, rotate
 
 
 def angle_forms(keys: int, seed: int) -> list[dict]:

@@ -15,7 +15,7 @@ for a δ < 0 and a δ > 0 AMORTIZE splice on a 64-token sequence:
 - KL(full ‖ AMORTIZE), KL(full ‖ FORGET) and KL(fresh ‖ FORGET) of the next-token distribution.
   SGLang's dummy weights (uniform in ±1e-3) give an almost flat distribution (``logprob_spread``
   = max - min log-probability is printed), so these KLs are ~0 and say nothing about quality;
-  the trained model of ``bench.py`` is where KL means something.
+  the trained model of ``divergence.py`` is where KL means something.
 
 If the server does not start, the model is retried with plain RoPE written as YaRN of factor 1
 (SGLang 0.5.23's CPU rope needs a scaling dict; see ``PLAIN_ROPE_AS_YARN``), then with the MoE
@@ -26,7 +26,7 @@ network, so values were taken from what is known of the published ``config.json`
 corroborated where possible (transformers 5.19's ``Glm4MoeLiteConfig`` defaults, public Megatron
 launch scripts). Unsure and assumed values are marked in the notes, which are printed.
 
-    python -m experiments.fidelity.architectures [--only NAME] [--out DIR]
+    python -m leyline_agent.bench.fidelity.architectures [--only NAME] [--out DIR]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import torch
 
-from experiments.fidelity.bench import _generate, kl
+from leyline_agent.bench.fidelity.divergence import generate, kl
 from leyline_agent.directive import Directive, apply_directives
 from leyline_agent.kernels.rope import RopeSpec, rotate
 from leyline_agent.testing.numerics import bf16_ulp
@@ -263,7 +263,7 @@ def check_splices(url: str, cfg: dict[str, Any], seed: int = 0) -> dict[str, Any
             s, e = 20, 30
             repl = tuple(rng.randrange(2, VOCAB) for _ in range(e - s + delta))
             ka, kf, k0 = (f"arch-{run}-{delta}-{x}" for x in "af0")
-            full = _generate(http, [toks, toks], [ka, kf], VOCAB)
+            full = generate(http, [toks, toks], [ka, kf], VOCAB)
             lps = full[0][0].values()
             out["logprob_spread"] = max(out.get("logprob_spread", 0.0), max(lps) - min(lps))
             before = _rows(http, toks, ka)
@@ -291,7 +291,7 @@ def check_splices(url: str, cfg: dict[str, Any], seed: int = 0) -> dict[str, Any
                 exact = rotate(old_pe, torch.full((old_pe.shape[0],), delta), spec)
                 ulps = ((new_pe - exact).abs() / bf16_ulp(exact)).max().item()
                 out["rope_max_ulp"] = max(out["rope_max_ulp"], ulps)
-            gen = _generate(http, [new, new, new], [ka, kf, k0], VOCAB)
+            gen = generate(http, [new, new, new], [ka, kf, k0], VOCAB)
             out["cached"] &= gen[0][1] == len(new) - 1 and gen[1][1] == len(new) - 1
             kls["full_amortize"].append(kl(full[0][0], gen[0][0]))
             kls["full_forget"].append(kl(full[1][0], gen[1][0]))

@@ -12,7 +12,7 @@ The output directory defaults to ``$LEYLINE_CACHE/fidelity-model/<hash>`` (``LEY
 defaults to ``~/.cache/leyline``), where the hash covers this file, ``task.py`` and the
 arguments; an existing complete directory is reused, so reruns and CI do not retrain.
 
-    python -m experiments.fidelity.train_tiny_mla [--steps N] [--out DIR] [--force]
+    python -m leyline_agent.bench.fidelity.train [--steps N] [--out DIR] [--force]
 
 Prints the full-context accuracy per task kind (and, for reference, the accuracy after the
 chunk is replaced by the stub and the context re-prefilled: what FORGET computes), then one JSON
@@ -35,11 +35,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from experiments.fidelity.task import KINDS, PAD, Case, TaskSpec, edited, make_cases
-from experiments.fidelity.task import training_example as task_example
+from leyline_agent.bench.fidelity.task import KINDS, PAD, Case, TaskSpec, edited, make_cases
+from leyline_agent.bench.fidelity.task import training_example as task_example
 from leyline_agent.cache import cache_root
+from leyline_agent.embedded.model import TinyMLAConfig
 
-FILES_HASHED = ("train_tiny_mla.py", "task.py")
+FILES_HASHED = ("train.py", "task.py")
 
 
 @dataclass(frozen=True)
@@ -70,46 +71,31 @@ class TrainResult(NamedTuple):
 
 
 def model_config(spec: TrainSpec, task: TaskSpec) -> dict[str, Any]:
-    """The Hugging Face config dict (transformers 5 spelling: ``rope_parameters``)."""
-    return {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "vocab_size": task.vocab_size,
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate,
-        "moe_intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.layers,
-        "first_k_dense_replace": spec.layers,  # every layer dense (no expert tensors)
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.heads,
-        "q_lora_rank": None,
-        "kv_lora_rank": spec.kv_lora_rank,
-        "qk_nope_head_dim": spec.qk_nope_head_dim,
-        "qk_rope_head_dim": spec.qk_rope_head_dim,
-        "v_head_dim": spec.v_head_dim,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 4096,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 1024,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": PAD,
-        "torch_dtype": "float32",
-    }
+    """The Hugging Face config dict (transformers 5 spelling: ``rope_parameters``): every layer
+    dense (no expert tensors), YaRN ×4 over 1,024 positions."""
+    return TinyMLAConfig(
+        vocab_size=task.vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        moe_intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        dense_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        max_position_embeddings=4096,
+        yarn_factor=4.0,
+        yarn_original_max_position_embeddings=1024,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=PAD,
+        torch_dtype="float32",
+        rope_key="rope_parameters",
+    ).to_hf()
 
 
 def spec_hash(spec: TrainSpec, task: TaskSpec) -> str:

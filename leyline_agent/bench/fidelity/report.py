@@ -1,6 +1,6 @@
 """Tables, ``results.json`` and ``fidelity.png`` from the parts of the fidelity experiment.
 
-Parts (any may be missing): the divergence benchmark per KV dtype (``bench.run``), the
+Parts (any may be missing): the divergence benchmark per KV dtype (``divergence.run``), the
 architecture checks (``architectures.run``), the rope drift (``drift.run``). The plot has one
 panel per part: argmax agreement with the full context and task accuracy per path and case
 group; mean KL(full ‖ path) per group (log scale); drift vs number of splices (log-log) with the
@@ -15,7 +15,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from experiments.fidelity import architectures, bench, drift
+from leyline_agent.bench.fidelity import architectures, divergence, drift
 
 GROUPS = ("carried", "direct", "carried_ctrl", "direct_ctrl")
 
@@ -46,7 +46,7 @@ def machine() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "commit": repo_commit(Path(__file__).resolve().parents[2]),
+        "commit": repo_commit(Path(__file__).resolve().parents[3]),
     }
     try:
         import sglang
@@ -61,7 +61,7 @@ def machine() -> dict[str, Any]:
 def consistency_errors(result: dict[str, Any]) -> list[str]:
     """Recompute a bench result's summary from its per-case rows; list every mismatch."""
     errors: list[str] = []
-    again = bench.summarize(result["cases"])
+    again = divergence.summarize(result["cases"])
     for name, g in result["summary"].items():
         if name in ("mechanics", "checks"):
             if g != again[name]:
@@ -70,7 +70,7 @@ def consistency_errors(result: dict[str, Any]) -> list[str]:
         h = again[name]
         if g["n"] != h["n"]:
             errors.append(f"{name}: n {g['n']} != {h['n']}")
-        for path in bench.PATHS:
+        for path in divergence.PATHS:
             for metric in ("agreement", "accuracy"):
                 a, b = g[path][metric], h[path][metric]
                 if (a["k"], a["n"]) != (b["k"], b["n"]) or not 0 <= a["rate"] <= 1:
@@ -201,7 +201,7 @@ def build(
             + "model full-context accuracy at training time: "
             + ", ".join(f"{k} {v['full']:.1%}" for k, v in acc.items())
             + f" (chance {res['model'].get('chance', float('nan')):.1%})\n"
-            + bench.table(res)
+            + divergence.table(res)
         )
     if archs:
         results["architectures"] = archs

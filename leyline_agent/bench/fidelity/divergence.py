@@ -17,7 +17,7 @@ Mechanics are checked per case: AMORTIZE is in place, prefills only the stub and
 tail; FORGET prefills from the chunk on; the follow-up ``/generate`` hits the cache for all but the
 query token.
 
-    python -m experiments.fidelity.bench --model-path DIR [--n 500] [--backend URL] [--out DIR]
+    python -m leyline_agent.bench.fidelity.divergence --model-path DIR [--n 500] [--backend URL] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from experiments.fidelity.task import KINDS, REAL_KINDS, Case, TaskSpec, edited, make_cases
+from leyline_agent.bench.fidelity.task import KINDS, REAL_KINDS, Case, TaskSpec, edited, make_cases
 from leyline_agent.client import LeylineClient
 from leyline_agent.directive import Directive, Mode
 
@@ -51,7 +51,7 @@ class BenchSpec:
     seed: int = 1
 
 
-def _generate(
+def generate(
     http: httpx.Client, contexts: Sequence[list[int]], keys: Sequence[str], top_k: int
 ) -> list[tuple[dict[int, float], int]]:
     """Batched greedy ``/generate`` of one token. Returns ``(logprob by token id, cached_tokens)``
@@ -109,7 +109,7 @@ def run_cases(
             ns_a = [f"fid-{run}-{i}-a" for i in ids]
             ns_f = [f"fid-{run}-{i}-f" for i in ids]
             ns_0 = [f"fid-{run}-{i}-0" for i in ids]
-            full = _generate(client.http, [c.tokens for c in part] * 2, ns_a + ns_f, vocab_size)
+            full = generate(client.http, [c.tokens for c in part] * 2, ns_a + ns_f, vocab_size)
             splices: dict[str, list[Any]] = {"amortize": [], "forget": []}
             for c, a, f in zip(part, ns_a, ns_f, strict=True):
                 s, e = c.chunk
@@ -117,7 +117,7 @@ def run_cases(
                     d = Directive(start=s, end=e, replacement=c.stub, mode=mode)
                     splices[mode.value].append(client.splice(c.tokens, [d], extra_key=key))
             new = [edited(c) for c in part]
-            after = _generate(client.http, new * 3, ns_a + ns_f + ns_0, vocab_size)
+            after = generate(client.http, new * 3, ns_a + ns_f + ns_0, vocab_size)
             n = len(part)
             for k, c in enumerate(part):
                 p_full, p_full_b = full[k][0], full[n + k][0]
@@ -232,7 +232,9 @@ def run(
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     info_path = Path(model_dir) / "fidelity.json"
     if not info_path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no fidelity.json: train it with train_tiny_mla")
+        raise FileNotFoundError(
+            f"{model_dir} has no fidelity.json: train it with leyline_agent.bench.fidelity.train"
+        )
     info = json.loads(info_path.read_text())
     task = TaskSpec(**info["task"])
     cases = make_cases(spec.n, spec.seed, task)
