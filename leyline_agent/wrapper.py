@@ -161,11 +161,11 @@ class ConversationWrapper:
             PolicyError: the policy returned invalid edits.
             jinja2.TemplateError: the chat template rejects the edited conversation.
         """
-        render = self._render
-        if template_kwargs:
 
-            def render(m: Sequence[Mapping[str, Any]], t: Sequence[Any] | None) -> Rendered:
+        def render(m: Sequence[Mapping[str, Any]], t: Sequence[Any] | None) -> Rendered:
+            if template_kwargs:
                 return self.renderer.render(m, t, template_kwargs=template_kwargs)
+            return self._render(m, t)
 
         incoming = [_clean(m) for m in messages]
         rendered = render(incoming, tools)

@@ -107,16 +107,19 @@ def is_local(renderer: Renderer) -> bool:
         return False
 
 
-def _probe(renderer: Renderer, conv: list[Message], tools: list[Any] | None) -> bool:
+def _probe(renderer: Renderer, conv: Sequence[Message], tools: list[Any] | None) -> bool:
     """Windowed == full render for appends of one and two messages at every length, and for an
     edit and a removal at every position of the whole conversation."""
     full = [full_text(renderer, conv[:n], tools, True) for n in range(len(conv) + 1)]
     n = len(conv)
-    cases = [(k, conv[:j], full[j]) for j in range(4, n + 1) for k in (j - 2, j - 1) if k >= 3]
+    cases: list[tuple[int, Sequence[Message], tuple[str, list[int]]]] = [
+        (k, conv[:j], full[j]) for j in range(4, n + 1) for k in (j - 2, j - 1) if k >= 3
+    ]
     for m in range(3, n):
+        new: Sequence[Message]
         for new in (
             [*conv[:m], {**conv[m], "content": "changed"}, *conv[m + 1 :]],
-            conv[:m] + conv[m + 1 :],
+            [*conv[:m], *conv[m + 1 :]],
         ):
             cases.append((n, new, full_text(renderer, new, tools, True)))
     for k, new, expected in cases:

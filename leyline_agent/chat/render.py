@@ -96,7 +96,7 @@ class Renderer:
 
     def _normalized(
         self, messages: Sequence[Message], tools: Sequence[Any] | None
-    ) -> tuple[list[Message], Sequence[Any] | None]:
+    ) -> tuple[Sequence[Message], Sequence[Any] | None]:
         if self.sglang_compat:
             return sglang_messages(messages), sglang_tools(tools)
         return list(messages), tools
@@ -164,13 +164,13 @@ class Renderer:
         bounds = [0] * (n + 1)
         # NOTE: normalisation is per message, so the normalised prefixes are normalised once.
         try:
-            norm: list[Message] | None
+            norm: Sequence[Message] | None
             norm, norm_tools = self._normalized(messages, tools)
         except (TypeError, ValueError, LookupError, AttributeError):
             norm, norm_tools = None, tools  # render prefix by prefix: some still render
 
         def render_prefix(k: int, probe: Message | None = None) -> str | None:
-            extra = [probe] if probe is not None else []
+            extra: Sequence[Message] = [probe] if probe is not None else []
             if norm is None:
                 return self._try_render([*messages[:k], *extra], tools, False, template_kwargs)
             if extra and self.sglang_compat:

@@ -137,7 +137,7 @@ class IncrementalRenderer:
             need.append(max(need[-1] if need else 0, f.need if f is not None else 0))
             at = f.end if f is not None and f.at >= 0 else at
             pos.append(at)
-        bounds = [*best.bounds[:start], *raw[start:]] if start else list(raw)
+        bounds = [*best.bounds[:start], *raw[start:]] if best is not None and start else list(raw)
         clamp_bounds(bounds, found, len(text), start)
         rendered = Rendered(tokens, token_spans(starts, bounds), text)
         kept = best.messages[:m] if best is not None and m > 0 else []

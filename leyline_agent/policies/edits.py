@@ -94,10 +94,10 @@ def apply_edits(messages: Sequence[Mapping[str, Any]], edits: Sequence[Edit]) ->
             raise PolicyError(
                 f"message {i}: span {last.start, last.end} past its {len(text)} chars"
             )
-        content = message.get("content")
+        parts = message.get("content")
         new_content: str | list[Any]
-        if isinstance(content, list):
-            new_content = _edit_parts(content, spans)
+        if isinstance(parts, list):
+            new_content = _edit_parts(parts, spans)
         else:
             new_content = _edit_text(text, spans)
         out.append({**message, "content": new_content})

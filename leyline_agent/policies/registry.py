@@ -80,9 +80,10 @@ def get_policy(name: str, **params: Any) -> Policy:
         PolicyError: unknown name or invalid parameters.
     """
     factory = _factory(name)
+    model = factory if isinstance(factory, type) and issubclass(factory, BaseModel) else None
     try:
-        if isinstance(factory, type) and issubclass(factory, BaseModel):
-            return cast(Policy, factory.model_validate(params))
+        if model is not None:
+            return cast(Policy, model.model_validate(params))
         accepted = _parameters(factory)
         unknown = set(params) - set(accepted)
         if unknown:
