@@ -146,9 +146,9 @@ class SessionRegistry:
         cache_salt = cache_salt or None
         with self._lock:
             if header or user:
-                source: Source = "header" if header else "user"
-                key = SessionKey(tenant, source, header or user or "")
-                session = self._sessions.get(key) or self._add(key, source, cache_salt)
+                kind: Literal["header", "user"] = "header" if header else "user"
+                key = SessionKey(tenant, kind, header or user or "")
+                session = self._sessions.get(key) or self._add(key, kind, cache_salt)
             else:
                 session = self._match(messages, tenant, cache_salt) or self._add(
                     SessionKey(tenant, "anon", uuid.uuid4().hex), "new", cache_salt
@@ -199,6 +199,7 @@ class SessionRegistry:
         return session
 
     def _add(self, key: SessionKey, source: Source, cache_salt: str | None) -> ProxySession:
+        """A new session; ``source`` is how it was found (a named key's kind, or ``new``)."""
         core = self._new_core(key.public_id, key.namespace)
         core.cache_salt = cache_salt
         session = ProxySession(key, core, source)

@@ -11,51 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 from pathlib import Path
 from typing import Any
 
 from leyline_agent.bench.fidelity import architectures, divergence, drift
+from leyline_agent.runinfo import environment
 
 GROUPS = ("carried", "direct", "carried_ctrl", "direct_ctrl")
-
-
-def repo_commit(root: Path) -> str | None:
-    """The checked-out commit, read from ``.git`` files (no git process)."""
-    git = root / ".git"
-    try:
-        head = (git / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        if (git / ref).is_file():
-            return (git / ref).read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
-            if line.endswith(" " + ref):
-                return line.split()[0]
-    except OSError:
-        return None
-    return None
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "commit": repo_commit(Path(__file__).resolve().parents[3]),
-    }
-    try:
-        import sglang
-        import transformers
-
-        info.update(sglang=sglang.__version__, transformers=transformers.__version__)
-    except ImportError:
-        pass
-    return info
 
 
 def consistency_errors(result: dict[str, Any]) -> list[str]:
@@ -185,7 +147,7 @@ def build(
     Returns ``(results, tables_text)``.
     """
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"experiment": "fidelity", "machine": machine(), "bench": {}}
+    results: dict[str, Any] = {"experiment": "fidelity", "environment": environment(), "bench": {}}
     texts: list[str] = []
     for dtype, res in benches.items():
         slim = {k: v for k, v in res.items() if k != "cases"}

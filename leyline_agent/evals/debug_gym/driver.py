@@ -174,7 +174,7 @@ def run_task(spec: dict[str, Any], task: str, task_data: dict[str, Any]) -> dict
             counts["empty_tool_responses"] += name == "empty_tool_response"
             if name == "submit":  # fault 1: an unresolved submit must end the episode too
                 env.terminated = info.terminated = counts["submitted"] = True
-            history.append(name)
+            history.append(str(name or ""))  # no name: matches no tool
             if grammars:
                 constrain()
             emit("step", task=task, step=counts["steps"], tool=name, resolved=bool(info.resolved))

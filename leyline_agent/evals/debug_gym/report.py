@@ -82,11 +82,11 @@ def notes(run: EvalRun) -> list[str]:
     return out
 
 
-def headline(summary: dict[str, dict[str, Any]], run: EvalRun, path: Path | None) -> dict:
+def headline(summary: dict[str, dict[str, Any]], run: EvalRun, path: Path | None) -> dict[str, Any]:
     """The last stdout line."""
-    keys = ("tasks", "resolved", "resolve_rate", "steps", "tool_calls", "edited_turns")
-    keys += ("policy_edited_turns",)
-    keys += ("prompt_tokens", "reused_tokens", "prefilled_tokens", "edited_prefilled_tokens")
+    keys: tuple[str, ...] = ("tasks", "resolved", "resolve_rate", "steps", "tool_calls")
+    keys += ("edited_turns", "policy_edited_turns", "prompt_tokens", "reused_tokens")
+    keys += ("prefilled_tokens", "edited_prefilled_tokens")
     arms = {a: {k: t[k] for k in keys} for a, t in summary.items()}
     doc: dict[str, Any] = {"arms": arms, "policy": run.spec.policy, "notes": notes(run)}
     doc["results"] = str(path) if path else None
