@@ -170,47 +170,14 @@ def ensure_venv(root: Path | None = None, *, log: Log = lambda _: None) -> Debug
     return venv
 
 
-# A stand-in for ``tree --charset=ASCII --noreport -a -v -F -f -l -L N ROOT``, the only form
-# debug-gym's ``listdir`` uses: full paths, ``/`` after directories, ``*`` after executables.
-_TREE_SHIM = r"""
-import os, re, sys
-
-def main(argv):
-    depth, root = 1, "."
-    it = iter(argv)
-    for a in it:
-        if a == "-L":
-            depth = int(next(it))
-        elif not a.startswith("-"):
-            root = a
-    if not os.path.isdir(root):
-        print(f"{root} [error opening dir]")
-        return 2
-    print(root)
-    walk(root, "", 1, depth)
-    return 0
-
-def key(name):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-def walk(path, prefix, level, depth):
-    names = sorted(os.listdir(path), key=key)
-    for i, name in enumerate(names):
-        last = i == len(names) - 1
-        full = os.path.join(path, name)
-        mark = "/" if os.path.isdir(full) else ("*" if os.access(full, os.X_OK) else "")
-        print(f"{prefix}{'`-- ' if last else '|-- '}{full}{mark}")
-        if mark == "/" and level < depth:
-            walk(full, prefix + ("    " if last else "|   "), level + 1, depth)
-
-sys.exit(main(sys.argv[1:]))
-"""
+# The ``tree`` stand-in (``tree_shim.py``); its text is part of ``requirements_key``.
+_TREE_SHIM = Path(__file__).with_name("tree_shim.py").read_text()
 
 
 def write_tree_shim(directory: Path) -> Path:
     """Write ``directory/tree`` (run with whatever ``python3`` the terminal finds first)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tree"
-    path.write_text("#!/usr/bin/env python3\n" + _TREE_SHIM.lstrip())
+    path.write_text("#!/usr/bin/env python3\n" + _TREE_SHIM)
     path.chmod(0o755)
     return path
