@@ -46,7 +46,7 @@ import httpx
 import torch
 
 from leyline_agent.bench.fidelity.divergence import generate, kl
-from leyline_agent.directive import Directive, apply_directives
+from leyline_agent.directive import Directive, Mode, apply_directives
 from leyline_agent.kernels.rope import RopeSpec, rotate
 from leyline_agent.testing.numerics import bf16_ulp
 
@@ -267,7 +267,7 @@ def check_splices(url: str, cfg: dict[str, Any], seed: int = 0) -> dict[str, Any
             lps = full[0][0].values()
             out["logprob_spread"] = max(out.get("logprob_spread", 0.0), max(lps) - min(lps))
             before = _rows(http, toks, ka)
-            for key, mode in ((ka, "amortize"), (kf, "forget")):
+            for key, mode in ((ka, Mode.AMORTIZE), (kf, Mode.FORGET)):
                 d = Directive(start=s, end=e, replacement=repl, mode=mode)
                 body = {"tokens": toks, "directives": [d.model_dump(mode="json")], "extra_key": key}
                 r = http.post("/leyline/splice", json=body)

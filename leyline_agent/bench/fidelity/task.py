@@ -186,17 +186,20 @@ def make_case(rng: random.Random, kind: Kind, spec: TaskSpec) -> Case:
     """One evaluation context of ``kind`` (the value after ``USE K_j`` is always redacted)."""
     removed = rng.randrange(2)
     kept = 1 - removed
+    query: Literal["use", "key"]
     if kind == "carried":
-        args = {"used_chunk": removed, "query": "use", "key_chunk": kept}
+        used_chunk, query, key_chunk = removed, "use", kept
     elif kind == "carried_ctrl":
-        args = {"used_chunk": kept, "query": "use", "key_chunk": kept}
+        used_chunk, query, key_chunk = kept, "use", kept
     elif kind == "direct":
-        args = {"used_chunk": kept, "query": "key", "key_chunk": removed}
+        used_chunk, query, key_chunk = kept, "key", removed
     elif kind == "direct_ctrl":
-        args = {"used_chunk": kept, "query": "key", "key_chunk": kept}
+        used_chunk, query, key_chunk = kept, "key", kept
     else:
         raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
-    tokens, answer, spans, _ = _document(rng, spec, written=False, **args)
+    tokens, answer, spans, _ = _document(
+        rng, spec, used_chunk=used_chunk, query=query, key_chunk=key_chunk, written=False
+    )
     return Case(kind, tokens, answer, spans[removed], (STUB,))
 
 
