@@ -7,10 +7,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from leyline_agent.accounting import TurnRecord
 from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
 from leyline_agent.chat.request import template_kwargs
 from leyline_agent.client import LeylineClient
-from leyline_agent.session import SessionCore, TurnRecord
+from leyline_agent.session import SessionCore
 from leyline_agent.wrapper import ConversationWrapper
 
 
