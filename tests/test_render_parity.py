@@ -227,7 +227,7 @@ def test_mismatch_is_adopted_and_counted(leyline_server: str, effort_model: Path
         assert r.status_code == 200
         rec = last_record(proxy, sid)
         assert (rec["render_mismatch"], rec["edited"], rec["spliced"]) == (False, False, False)
-        assert rec["cached_tokens"] == 25  # 27 minus the opener's "assistant\n"
+        assert rec["server_cached_tokens"] == 25  # 27 minus the opener's "assistant\n"
         text = httpx.get(proxy + "/metrics", timeout=10).text
         assert "leyline_proxy_render_mismatches_total 1" in text
         assert "leyline_proxy_resyncs_total 1" in text
