@@ -34,6 +34,7 @@ def test_chat_splices_and_caches_every_token_before_the_new_turn(
             assert cached == prompt - len(plan.tail), (t, prompt, cached, len(plan.tail))
         rec = session.records[-1]
         assert (rec.prompt_tokens, rec.server_cached_tokens) == (prompt, cached)
+        assert rec.reused_tokens <= rec.best_reused_tokens <= rec.prompt_tokens
         assert rec.edited == bool(plan.directives) == rec.spliced
         assert rec.splice_error is None
     assert [r.edited for r in session.records] == [False] * 3 + [True] * 3
