@@ -57,6 +57,16 @@ def message_text(message: Mapping[str, Any]) -> str:
     return content_text(message.get("content"))
 
 
+def sent_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The message as the wrapper sends it: ``leyline_*`` annotations removed, a list of text
+    parts joined into one string (so that the server and the wrapper cannot join them
+    differently)."""
+    out = {k: v for k, v in message.items() if not k.startswith("leyline_")}
+    if is_text_parts(out.get("content")):
+        out["content"] = message_text(out)
+    return out
+
+
 def served_content(message: Mapping[str, Any]) -> Any:
     """The content as a chat endpoint reads it: ``None`` (or absent) -> ``""``, else as is."""
     content = message.get("content")

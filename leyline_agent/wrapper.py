@@ -19,24 +19,12 @@ from leyline_agent.chat.render_cache import IncrementalRenderer
 from leyline_agent.chat.spans import Rendered
 from leyline_agent.diff import Diff, diff_rendered, diff_tokens, message_key
 from leyline_agent.directive import Directive, Mode
-from leyline_agent.messages import is_text_parts, message_text
+from leyline_agent.messages import sent_message
 from leyline_agent.policies.edits import apply_edits
 from leyline_agent.policies.protocol import Conversation, Edit, Policy
 from leyline_agent.policies.registry import parse_policy
 
 Message = dict[str, Any]
-
-
-def _clean(message: Mapping[str, Any]) -> Message:
-    """The message as sent: ``leyline_*`` annotations removed, text-part lists joined into one
-    string (so that the server and the wrapper cannot join them differently)."""
-    out = dict(message)
-    for key in message:
-        if key.startswith("leyline_"):
-            del out[key]
-    if is_text_parts(out.get("content")):
-        out["content"] = message_text(out)
-    return out
 
 
 @dataclass(frozen=True)
@@ -126,7 +114,9 @@ class ConversationWrapper:
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
     ) -> Conversation:
         """The policy's view of an incoming message list."""
-        return self._conversation(messages, self._render([_clean(m) for m in messages], tools))
+        return self._conversation(
+            messages, self._render([sent_message(m) for m in messages], tools)
+        )
 
     def _conversation(
         self, messages: Sequence[Mapping[str, Any]], rendered: Rendered
@@ -167,12 +157,12 @@ class ConversationWrapper:
                 return self.renderer.render(m, t, template_kwargs=template_kwargs)
             return self._render(m, t)
 
-        incoming = [_clean(m) for m in messages]
+        incoming = [sent_message(m) for m in messages]
         rendered = render(incoming, tools)
         edits = list(self.policy(self._conversation(messages, rendered)))
         edited = apply_edits(messages, edits)
         sent = [  # messages no edit touched are the incoming ones, already cleaned
-            _clean(m) if i in edited.modes else incoming[i]
+            sent_message(m) if i in edited.modes else incoming[i]
             for m, i in zip(edited.messages, edited.sources, strict=True)
         ]
         if sent != incoming:

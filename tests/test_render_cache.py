@@ -14,8 +14,8 @@ from leyline_agent.chat.locality import cut_token_ids, is_local
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.chat.render import Renderer
 from leyline_agent.chat.render_cache import IncrementalRenderer
+from leyline_agent.messages import sent_message
 from leyline_agent.traces import Trace, load
-from leyline_agent.wrapper import _clean
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 
@@ -124,7 +124,7 @@ def test_every_shared_trace_turn(renderer: Renderer, traces: list[Trace]) -> Non
     for trace in traces:
         inc = IncrementalRenderer(renderer)
         for messages in trace.turns:
-            check(inc, [_clean(m) for m in messages], trace.tools)
+            check(inc, [sent_message(m) for m in messages], trace.tools)
 
 
 @pytest.mark.parametrize("policy", ["stale_tool_outputs:keep_last=2", "observation_window:n=1"])
