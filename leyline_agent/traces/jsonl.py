@@ -84,12 +84,13 @@ def _per_message(path: Path, lines: list[tuple[int, Any]]) -> Trace:
             raise TraceFormatError(f"{path}:{no}: 'turn' must be an integer")
         messages += expanded
         turn_of += [turn] * len(expanded)
-    if any(t is not None for t in turn_of):
-        if any(t is None for t in turn_of):
+    numbered = [t for t in turn_of if t is not None]
+    if numbered:
+        if len(numbered) < len(turn_of):
             raise TraceFormatError(f"{path}: some messages have a 'turn' key and some do not")
         turns = [
-            [m for m, t in zip(messages, turn_of, strict=True) if t <= turn]
-            for turn in sorted(set(turn_of))
+            [m for m, t in zip(messages, numbered, strict=True) if t <= turn]
+            for turn in sorted(set(numbered))
         ]
     else:
         turns = turns_at_assistant(messages)
