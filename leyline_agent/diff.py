@@ -90,7 +90,7 @@ def message_key(message: Mapping[str, Any]) -> Hashable:
     return _KEY_ENCODER.encode(message)
 
 
-def edited(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
+def _edited(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
     """``apply_directives(tokens, directives)``, by slices (same checks, same result)."""
     out: list[int] = []
     pos = 0
@@ -212,7 +212,7 @@ def diff_rendered(
     tail = list(N[r_start + g :])
 
     directives = _directives(old_tokens, N, regions)
-    if edited(old_tokens, directives) + tail != N:  # never expected; stay exact
+    if _edited(old_tokens, directives) + tail != N:  # never expected; stay exact
         cover = diff_tokens(old_tokens, N, default_mode)
         return Diff(cover.directives, cover.tail, True)
     return Diff(directives, tail, fallback)
