@@ -27,14 +27,14 @@ def test_register_radix_backend_is_idempotent() -> None:
 def test_add_communicators_adds_each_once() -> None:
     from sglang.srt.managers import tokenizer_control_mixin as tcm
 
-    from leyline_agent.backends.sglang import plugin, protocol
+    from leyline_agent.backends.sglang import ipc, plugin
 
     plugin.add_communicators()
     plugin.add_communicators()
     names = [s[0] for s in tcm._COMMUNICATOR_SPECS]
     assert names.count("leyline_splice") == 1 and names.count("leyline_inspect") == 1
     spec = dict((s[0], s[1]) for s in tcm._COMMUNICATOR_SPECS)
-    assert spec["leyline_splice"] is protocol.SpliceReqOutput
+    assert spec["leyline_splice"] is ipc.SpliceReqOutput
 
 
 def test_cpu_dev_patches() -> None:
@@ -60,7 +60,7 @@ def test_splice_dispatch_with_stub_scheduler() -> None:
 
     from sglang.utils import TypeBasedDispatcher
 
-    from leyline_agent.backends.sglang import plugin, protocol
+    from leyline_agent.backends.sglang import ipc, plugin
 
     class StubScheduler:
         tree_cache = object()  # not a LeylineRadixCache: splices must answer 501
@@ -71,8 +71,8 @@ def test_splice_dispatch_with_stub_scheduler() -> None:
     s = StubScheduler()
     assert plugin.add_splice_dispatch("kept", s) == "kept"
     body = {"tokens": [1, 2, 3], "directives": [{"start": 0, "end": 1, "replacement": [5]}]}
-    out = s._request_dispatcher(protocol.SpliceReqInput(payload=json.dumps(body)))
-    assert isinstance(out, protocol.SpliceReqOutput)
+    out = s._request_dispatcher(ipc.SpliceReqInput(payload=json.dumps(body)))
+    assert isinstance(out, ipc.SpliceReqOutput)
     assert out.status == 501 and "radix-cache-backend leyline" in json.loads(out.body)["error"]
-    bad = s._request_dispatcher(protocol.SpliceReqInput(payload="{not json"))
+    bad = s._request_dispatcher(ipc.SpliceReqInput(payload="{not json"))
     assert bad.status == 422

@@ -31,7 +31,7 @@ def main() -> None:
         print(f"1. prefill {first.prompt_tokens} tokens: cached {first.cached_tokens}")
         d = Directive(start=100, end=300, replacement=(rng.randrange(1000, 150000),) * 8)
         res = client.splice(tokens, [d], extra_key=ns)
-        print(f"2. splice [100, 300) -> 8 tokens: {res._asdict()}")
+        print(f"2. splice [100, 300) -> 8 tokens: {res.model_dump()}")
         new = apply_directives(tokens, [d])
         after = client.generate(new + [42], extra_key=ns)
         print(f"3. next request ({after.prompt_tokens} tokens): cached {after.cached_tokens}")

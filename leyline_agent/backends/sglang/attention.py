@@ -41,11 +41,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
+from leyline_agent.backends.sglang.compat import TorchNativeAttnBackend
+
 if TYPE_CHECKING:
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    from leyline_agent.backends.sglang.compat import ModelRunner
 
 BACKEND_NAME = "leyline_cpu"
 
@@ -164,12 +165,7 @@ def register_deepseek_forward_method() -> None:
     Without a handler DeepSeek falls back to ``triton``'s, which picks the MHA prefill path for
     prefix-free extends; that path does not match the MLA KV layout this backend reads.
     """
-    from sglang.srt.models.deepseek_common.attention_backend_handler import (
-        AttentionBackendRegistry,
-    )
-    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
-        AttnForwardMethod,
-    )
+    from leyline_agent.backends.sglang.compat import AttentionBackendRegistry, AttnForwardMethod
 
     AttentionBackendRegistry.register(BACKEND_NAME, lambda *args: AttnForwardMethod.MLA)
 
@@ -190,8 +186,8 @@ def register_backend() -> None:
     ``launch_server`` calls ``load_plugins()`` before it parses the command line, so the name is
     accepted there, and every SGLang process that builds a model finds the factory.
     """
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
-    from sglang.srt.layers.attention.attention_registry import (
+    from leyline_agent.backends.sglang.compat import (
+        ATTENTION_BACKEND_CHOICES,
         ATTENTION_BACKENDS,
         register_attention_backend,
     )

@@ -24,18 +24,13 @@ def enabled() -> bool:
 
 
 def patch_rotary_embedding_is_cpu() -> None:
-    import sglang.srt.layers.rotary_embedding.base as rope_base
+    from leyline_agent.backends.sglang.compat import rotary_embedding_base as rope_base
 
     rope_base._is_cpu = True
 
 
 def register_torch_native_mla_handler() -> None:
-    from sglang.srt.models.deepseek_common.attention_backend_handler import (
-        AttentionBackendRegistry,
-    )
-    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
-        AttnForwardMethod,
-    )
+    from leyline_agent.backends.sglang.compat import AttentionBackendRegistry, AttnForwardMethod
 
     AttentionBackendRegistry.register("torch_native", lambda *args: AttnForwardMethod.MLA)
 

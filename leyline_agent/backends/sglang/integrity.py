@@ -21,7 +21,7 @@ from leyline_agent.backends.sglang.kv_layout import KVLayout
 from leyline_agent.backends.sglang.radix import LeylineRadixCache
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.scheduler import Scheduler
+    from leyline_agent.backends.sglang.compat import Scheduler
 
 
 def free_slots(allocator: Any) -> torch.Tensor:
@@ -80,8 +80,7 @@ def rows(
     ``[n, kv_heads, head_dim]`` and ``v_values``/``v_bits`` are V. ``rope``: the spec, band and
     source the server rotates with (the oracle a test must use), passed through as given.
     """
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from leyline_agent.backends.sglang.compat import MatchPrefixParams, RadixKey
 
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key)))
     n = int(m.device_prefix_len)

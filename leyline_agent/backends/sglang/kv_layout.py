@@ -16,6 +16,7 @@ non-NHD layouts, and models with sliding-window attention layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
@@ -52,11 +53,17 @@ class KVLayout(NamedTuple):
 
 
 def kv_layout(pool: Any) -> KVLayout:
-    """Classify ``pool`` (``token_to_kv_pool_allocator.get_kvcache()``). Raises `UnsupportedKV`."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    """Classify ``pool`` (``token_to_kv_pool_allocator.get_kvcache()``) by its exact class.
+    Raises `UnsupportedKV`."""
+    from leyline_agent.backends.sglang.compat import MHATokenToKVPool, MLATokenToKVPool
 
+    readers: dict[type, Callable[[Any], KVLayout]] = {
+        MLATokenToKVPool: _mla_layout,
+        MHATokenToKVPool: _mha_layout,
+    }
+    read = readers.get(type(pool))
     name = type(pool).__name__
-    if type(pool) not in (MLATokenToKVPool, MHATokenToKVPool):
+    if read is None:
         why = (
             "sliding-window/hybrid attention keeps a second pool whose window a splice would "
             "have to redo"
@@ -75,11 +82,17 @@ def kv_layout(pool: Any) -> KVLayout:
             "quantized (fp8) cache would need dequantize-rotate-quantize; serve with "
             "--kv-cache-dtype auto (bf16/fp16/fp32)"
         )
-    if type(pool) is MLATokenToKVPool:
-        bufs = list(pool.kv_buffer)
-        _check_3d(bufs, "kv_buffer")
-        band = RopeBand(int(pool.kv_lora_rank), int(pool.qk_rope_head_dim))
-        return KVLayout("mla", bufs, [], int(bufs[0].shape[1]), int(bufs[0].shape[2]), band)
+    return read(pool)
+
+
+def _mla_layout(pool: Any) -> KVLayout:
+    bufs = list(pool.kv_buffer)
+    _check_3d(bufs, "kv_buffer")
+    band = RopeBand(int(pool.kv_lora_rank), int(pool.qk_rope_head_dim))
+    return KVLayout("mla", bufs, [], int(bufs[0].shape[1]), int(bufs[0].shape[2]), band)
+
+
+def _mha_layout(pool: Any) -> KVLayout:
     layout = getattr(pool, "kv_cache_layout", "nhd")
     if layout != "nhd":
         raise UnsupportedKV(f"KV cache layout {layout!r} is not supported (only 'nhd')")
@@ -100,7 +113,7 @@ def check_full_attention(model: nn.Module | None) -> None:
     """Refuse models with sliding-window attention layers (SGLang's ``RadixAttention``)."""
     if model is None:
         return
-    from sglang.srt.layers.radix_attention import RadixAttention
+    from leyline_agent.backends.sglang.compat import RadixAttention
 
     windows = {
         int(m.sliding_window_size)

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from sglang.srt.mem_cache.radix_cache import TreeNode
-
+    from leyline_agent.backends.sglang.compat import TreeNode
     from leyline_agent.backends.sglang.radix import LeylineRadixCache
 
 FAULT_POINTS = (
@@ -102,6 +101,23 @@ class Ledger:
             out.add(node)
             node = node.parent
         return out
+
+    def alloc(self, n: int, fault: FaultInjector) -> torch.Tensor:
+        """``n`` fresh slots (int64), owned by the splice; may evict unlocked tree nodes.
+
+        Raises ``SpliceError`` 503 when the pool cannot give them.
+        """
+        from leyline_agent.backends.sglang.compat import alloc_token_slots
+        from leyline_agent.backends.sglang.preflight import SpliceError
+
+        fault("alloc")
+        try:
+            slots = alloc_token_slots(self.tree, n)
+        except Exception as e:  # SGLang raises RuntimeError on exhaustion
+            raise SpliceError(503, f"KV pool exhausted: cannot allocate {n} slots ({e})") from e
+        if slots is None:
+            raise SpliceError(503, f"KV pool exhausted: cannot allocate {n} slots")
+        return self.own(slots.to(torch.int64))
 
     def own(self, slots: torch.Tensor) -> torch.Tensor:
         self.fresh.append(slots)

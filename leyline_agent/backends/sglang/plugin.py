@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+from collections.abc import Callable
 from typing import Any
 
 from leyline_agent.backends.sglang import cpu_dev
@@ -37,7 +38,7 @@ def register() -> None:
     register_attention_backend()
     register_io_types()
     add_communicators()
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from leyline_agent.backends.sglang.compat import HookRegistry, HookType
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
@@ -49,11 +50,10 @@ def register() -> None:
 
 
 def register_radix_backend() -> None:
-    from sglang.srt.mem_cache.registry import (
+    from leyline_agent.backends.sglang.compat import (
         register_radix_cache_backend,
         registered_radix_cache_backends,
     )
-
     from leyline_agent.backends.sglang.radix import BACKEND_NAME, leyline_radix_cache_factory
 
     if BACKEND_NAME not in registered_radix_cache_backends():
@@ -67,17 +67,15 @@ def register_attention_backend() -> None:
 
 
 def register_io_types() -> None:
-    from sglang.srt.managers.io_struct import hook_custom_types
-
-    from leyline_agent.backends.sglang import protocol as p
+    from leyline_agent.backends.sglang import ipc as p
+    from leyline_agent.backends.sglang.compat import hook_custom_types
 
     hook_custom_types(p.SpliceReqInput, p.SpliceReqOutput, p.InspectReqInput, p.InspectReqOutput)
 
 
 def add_communicators() -> None:
-    from sglang.srt.managers import tokenizer_control_mixin as tcm
-
-    from leyline_agent.backends.sglang import protocol as p
+    from leyline_agent.backends.sglang import ipc as p
+    from leyline_agent.backends.sglang.compat import tokenizer_control_mixin as tcm
 
     names = {spec[0] for spec in tcm._COMMUNICATOR_SPECS}
     for name, out_type in [
@@ -90,9 +88,9 @@ def add_communicators() -> None:
 
 def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook: route Leyline control requests to this scheduler's executor."""
-    from sglang.utils import TypeBasedDispatcher
-
-    from leyline_agent.backends.sglang import protocol as p
+    from leyline_agent.backends.sglang import ipc as p
+    from leyline_agent.backends.sglang.compat import TypeBasedDispatcher
+    from leyline_agent.backends.sglang.inspect import handle_inspect
     from leyline_agent.backends.sglang.splice import SpliceExecutor
 
     executor = SpliceExecutor(scheduler)
@@ -102,12 +100,14 @@ def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         return p.SpliceReqOutput(status=status, body=body)
 
     def on_inspect(req: p.InspectReqInput) -> p.InspectReqOutput:
-        status, body = executor.inspect(req.payload)
+        status, body = handle_inspect(executor.served, req.payload)
         return p.InspectReqOutput(status=status, body=body)
 
-    scheduler._request_dispatcher += TypeBasedDispatcher(
-        [(p.SpliceReqInput, on_splice), (p.InspectReqInput, on_inspect)]
-    )
+    handlers: list[tuple[type, Callable[..., Any]]] = [
+        (p.SpliceReqInput, on_splice),
+        (p.InspectReqInput, on_inspect),
+    ]
+    scheduler._request_dispatcher += TypeBasedDispatcher(handlers)
     return result
 
 

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.scheduler import Scheduler
-
+    from leyline_agent.backends.sglang.compat import Scheduler
     from leyline_agent.backends.sglang.radix import LeylineRadixCache
 
 
@@ -37,8 +36,7 @@ def prefill_tokens(
     called at ``prefill.prepare`` and ``prefill.forward`` (test hook). Raises whatever SGLang
     raises (e.g. ``RuntimeError`` when the pool is exhausted); nothing is held then.
     """
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.sampling.sampling_params import SamplingParams
+    from leyline_agent.backends.sglang.compat import Req, SamplingParams, ScheduleBatch
 
     n_prefix = int(prefix.numel())
     if len(tokens) <= n_prefix:

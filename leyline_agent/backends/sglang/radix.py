@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+
+from leyline_agent.backends.sglang.compat import RadixCache, TreeNode
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+    from leyline_agent.backends.sglang.compat import Req, TreeCacheBuildContext
 
 BACKEND_NAME = "leyline"
 

@@ -10,9 +10,10 @@ import os
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from sglang.srt.entrypoints import http_server
 
-from leyline_agent.backends.sglang import protocol as p
+from leyline_agent.backends.sglang.compat import http_server
+from leyline_agent.backends.sglang.ipc import InspectReqInput, SpliceReqInput
+from leyline_agent.backends.sglang.wire import SpliceRequest
 
 
 def _tokenizer_manager():
@@ -25,17 +26,17 @@ async def splice(request: Request) -> JSONResponse:
     """Execute AMORTIZE / FORGET directives on a cached sequence (body: ``SpliceRequest``)."""
     raw = await request.body()
     try:
-        body = p.SpliceRequest.model_validate_json(raw)
+        body = SpliceRequest.model_validate_json(raw)
     except ValidationError as e:
         detail = json.loads(e.json(include_url=False))
         return JSONResponse({"error": "invalid splice request", "detail": detail}, status_code=422)
-    req = p.SpliceReqInput(payload=body.model_dump_json())
+    req = SpliceReqInput(payload=body.model_dump_json())
     out = (await _tokenizer_manager().leyline_splice_communicator(req))[0]
     return JSONResponse(json.loads(out.body), status_code=out.status)
 
 
 async def _inspect(payload: dict) -> JSONResponse:
-    req = p.InspectReqInput(payload=json.dumps(payload))
+    req = InspectReqInput(payload=json.dumps(payload))
     out = (await _tokenizer_manager().leyline_inspect_communicator(req))[0]
     return JSONResponse(json.loads(out.body), status_code=out.status)
 

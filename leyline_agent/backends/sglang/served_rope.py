@@ -75,11 +75,11 @@ def served_rope(model: nn.Module | None, hf_config: dict[str, Any]) -> tuple[Rop
 
 
 def _rotary_modules(model: nn.Module) -> list[nn.Module]:
-    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
-    from sglang.srt.layers.rotary_embedding.rope_variant import (
+    from leyline_agent.backends.sglang.compat import (
         DualChunkRotaryEmbedding,
         FourierRotaryEmbedding,
         Phi3LongRoPEScaledRotaryEmbedding,
+        RotaryEmbedding,
     )
 
     kinds = (
@@ -97,15 +97,13 @@ def _rotary_modules(model: nn.Module) -> list[nn.Module]:
 
 def spec_from_module(m: nn.Module) -> RopeSpec:
     """Map one SGLang rotary module to a `RopeSpec`. Raises ``ValueError`` for other classes."""
-    from sglang.srt.layers.rotary_embedding.base import (
-        LinearScalingRotaryEmbedding,
-        RotaryEmbedding,
-    )
-    from sglang.srt.layers.rotary_embedding.rope_variant import (
+    from leyline_agent.backends.sglang.compat import (
         DeepseekScalingRotaryEmbedding,
+        LinearScalingRotaryEmbedding,
         Llama3RotaryEmbedding,
+        RotaryEmbedding,
+        YaRNScalingRotaryEmbedding,
     )
-    from sglang.srt.layers.rotary_embedding.yarn import YaRNScalingRotaryEmbedding
 
     kind = type(m)
     if getattr(m, "position_start", 0):
@@ -155,9 +153,11 @@ def spec_from_module(m: nn.Module) -> RopeSpec:
 
 def module_inv_freq(m: nn.Module) -> torch.Tensor:
     """The frequencies ``m`` builds its cos/sin cache from (fp32, radians per position)."""
-    from sglang.srt.layers.rotary_embedding.base import LinearScalingRotaryEmbedding
-    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
-    from sglang.srt.layers.rotary_embedding.yarn import YaRNScalingRotaryEmbedding
+    from leyline_agent.backends.sglang.compat import (
+        DeepseekScalingRotaryEmbedding,
+        LinearScalingRotaryEmbedding,
+        YaRNScalingRotaryEmbedding,
+    )
 
     if isinstance(m, (YaRNScalingRotaryEmbedding, DeepseekScalingRotaryEmbedding)):
         return m._compute_inv_freq(m.scaling_factor).float().cpu()

@@ -1,17 +1,41 @@
-"""Wire types of the splice endpoint.
+"""What crosses HTTP to ``POST /leyline/splice``: the body, the response and the cache namespace.
 
-HTTP body (pydantic, validated in the HTTP process) and the IPC pair that carries it to the
-scheduler (msgspec ``BaseReq`` subclasses, as SGLang's own control requests in
-``sglang/srt/managers/io_struct.py``). The IPC payload is the validated JSON text, so the scheduler
-side re-parses exactly what the HTTP side accepted.
+Pydantic only (no sglang, no torch): the agent side (``client.py``, ``session.py``) imports it on a
+core install; the server validates the same models (``routes.py`` in the HTTP process, the
+executor again in the scheduler).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
-from sglang.srt.managers.io_struct import BaseReq
 
 from leyline_agent.directive import Directive
+
+
+class Namespace(NamedTuple):
+    """A radix-cache namespace: SGLang keys its tree by ``(extra_key, cache_salt)``, and
+    namespaces share no node. The chat request that caches a sequence and the splice that edits it
+    must name the same one, so both build their body fields here."""
+
+    extra_key: str | None = None
+    cache_salt: str | None = None
+
+    def fields(self) -> dict[str, str]:
+        """The body fields selecting this namespace (unset components are not sent)."""
+        out = {}
+        if self.extra_key is not None:
+            out["extra_key"] = self.extra_key
+        if self.cache_salt:
+            out["cache_salt"] = self.cache_salt
+        return out
+
+    def apply(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``body`` moved into this namespace (its own ``extra_key``/``cache_salt`` replaced)."""
+        out = {k: v for k, v in body.items() if k not in ("extra_key", "cache_salt")}
+        return {**out, **self.fields()}
 
 
 class SpliceRequest(BaseModel):
@@ -21,6 +45,8 @@ class SpliceRequest(BaseModel):
     directives: non-overlapping edits in old-sequence coordinates.
     extra_key: radix-cache namespace (SGLang's ``extra_key``); None is the default namespace.
     cache_salt: SGLang's ``cache_salt`` (also a namespace component).
+    debug_fault, debug_fail_after_prefill: test-only, honoured only with
+        ``LEYLINE_DEBUG_ENDPOINTS=1`` (fault points: ``backends/sglang/ledger.py``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -29,9 +55,12 @@ class SpliceRequest(BaseModel):
     directives: list[Directive] = Field(min_length=1)
     extra_key: str | None = None
     cache_salt: str | None = None
-    # test-only, honoured only with LEYLINE_DEBUG_ENDPOINTS=1 (see backends/sglang/ledger.py)
     debug_fault: str | None = None
     debug_fail_after_prefill: bool = False
+
+    @property
+    def namespace(self) -> Namespace:
+        return Namespace(self.extra_key, self.cache_salt)
 
 
 class SpliceResponse(BaseModel):
@@ -48,7 +77,11 @@ class SpliceResponse(BaseModel):
     cached_before: tokens of ``tokens`` found cached (always all of them on success).
     timings_ms: the splice broken down, in milliseconds: ``prefill`` (replacement prefills),
         ``rotate`` (δ-rotation, copies and in place), ``tree`` (detach, purge, insert, frees).
+    http_ms: client side only (``LeylineClient.splice``): the HTTP round trip in milliseconds;
+        never sent by the server.
     """
+
+    model_config = ConfigDict(frozen=True)
 
     new_length: int
     prefix_reused: int
@@ -60,23 +93,4 @@ class SpliceResponse(BaseModel):
     elapsed_ms: float
     cached_before: int = 0
     timings_ms: dict[str, float] = Field(default_factory=dict)
-
-
-class SpliceReqInput(BaseReq, kw_only=True):
-    payload: str
-
-
-class SpliceReqOutput(BaseReq, kw_only=True):
-    status: int
-    body: str
-
-
-class InspectReqInput(BaseReq, kw_only=True):
-    """``payload``: JSON ``{"op": "stats"}`` or (debug endpoints only) ``{"op": "rows", ...}``."""
-
-    payload: str
-
-
-class InspectReqOutput(BaseReq, kw_only=True):
-    status: int
-    body: str
+    http_ms: float = Field(default=0.0, exclude=True)

@@ -1,0 +1,46 @@
+"""``/leyline/stats`` and the debug views (scheduler side of ``InspectReqInput``).
+
+``{"op": "stats"}`` always (``integrity.stats``); with ``LEYLINE_DEBUG_ENDPOINTS=1`` also
+``{"op": "rows", "tokens": [...], "extra_key": ...}`` (the KV rows of a cached sequence and the RoPE
+the server rotates with) and ``{"op": "tree_slots"}`` (every slot the tree holds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from leyline_agent.backends.sglang import integrity
+from leyline_agent.backends.sglang.preflight import Served, SpliceError, debug_enabled
+
+logger = logging.getLogger(__name__)
+
+
+def handle_inspect(served: Served, payload: str) -> tuple[int, str]:
+    """Returns ``(http_status, json_body)``; never raises."""
+    try:
+        req = json.loads(payload)
+        op = req.get("op")
+        if op == "stats":
+            return 200, json.dumps(integrity.stats(served.scheduler))
+        if not debug_enabled():
+            return 403, json.dumps({"error": "debug endpoints are disabled"})
+        if op == "rows":
+            rope: dict[str, Any]
+            try:
+                spec, band, source = served.rope_spec()
+                rope = {"spec": dataclasses.asdict(spec), "band": band, "source": source}
+            except SpliceError as e:
+                rope = {"error": str(e)}
+            body = integrity.rows(
+                served.tree, served.kv_buffers(), req["tokens"], req.get("extra_key"), rope
+            )
+            return 200, json.dumps(body)
+        if op == "tree_slots":
+            return 200, json.dumps({"slots": served.tree.all_slots().tolist()})
+        return 400, json.dumps({"error": f"unknown op {op!r}"})
+    except Exception as e:
+        logger.exception("leyline inspect failed")
+        return 500, json.dumps({"error": repr(e)})

@@ -1,0 +1,34 @@
+"""The scheduler IPC pairs of the Leyline control requests (msgspec ``BaseReq`` subclasses, as
+SGLang's own in ``sglang/srt/managers/io_struct.py``).
+
+The payload is JSON text: the splice body the HTTP process validated (``wire.SpliceRequest``), so
+the scheduler re-parses exactly what was accepted; the reply is an HTTP status and a JSON body.
+"""
+
+from __future__ import annotations
+
+from leyline_agent.backends.sglang.compat import BaseReq
+
+# NOTE: declared as SGLang declares its own (``class FlushCacheReqInput(BaseReq, kw_only=True)``):
+# fields keyword-only. mypy sees BaseReq as Any (sglang is not followed) and rejects the class
+# keyword, hence the typed ignores.
+
+
+class SpliceReqInput(BaseReq, kw_only=True):  # type: ignore[call-arg]
+    payload: str
+
+
+class SpliceReqOutput(BaseReq, kw_only=True):  # type: ignore[call-arg]
+    status: int
+    body: str
+
+
+class InspectReqInput(BaseReq, kw_only=True):  # type: ignore[call-arg]
+    """``payload``: JSON ``{"op": "stats"}`` or (debug endpoints only) ``{"op": "rows", ...}``."""
+
+    payload: str
+
+
+class InspectReqOutput(BaseReq, kw_only=True):  # type: ignore[call-arg]
+    status: int
+    body: str

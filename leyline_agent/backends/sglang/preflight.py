@@ -1,0 +1,142 @@
+"""What a splice checks before its first lock or allocation, and the refusals it answers with.
+
+``Served`` resolves, once per scheduler, what the server must offer for a splice (the Leyline
+radix cache with page size 1, a KV pool ``kv_layout`` knows, a RoPE ``served_rope`` can reproduce)
+and checks each request's token ids; ``check_forget_span`` and ``check_capacity`` run under the
+splice's lock. Every refusal is a :class:`SpliceError` carrying its HTTP status and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from leyline_agent.backends.sglang.kv_layout import (
+    KVLayout,
+    UnsupportedKV,
+    check_full_attention,
+    kv_layout,
+)
+from leyline_agent.backends.sglang.radix import LeylineRadixCache
+from leyline_agent.backends.sglang.served_rope import served_model, served_rope
+from leyline_agent.backends.sglang.wire import SpliceRequest
+from leyline_agent.kernels.rope import RopeBand, RopeSpec
+
+if TYPE_CHECKING:
+    from leyline_agent.backends.sglang.compat import Scheduler, TreeNode
+    from leyline_agent.backends.sglang.ledger import Ledger
+
+
+class SpliceError(Exception):
+    """A splice that cannot run; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def debug_enabled() -> bool:
+    """``LEYLINE_DEBUG_ENDPOINTS=1``: the test-only request fields and debug views are honoured."""
+    return os.environ.get("LEYLINE_DEBUG_ENDPOINTS") == "1"
+
+
+class Served:
+    """One scheduler's tree, KV layout and RoPE, resolved on first use (501 when unsupported)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._layout: KVLayout | None = None
+        self._rope: tuple[RopeSpec, RopeBand, str] | None = None
+
+    @property
+    def tree(self) -> LeylineRadixCache:
+        tree = self.scheduler.tree_cache
+        if not isinstance(tree, LeylineRadixCache):
+            raise SpliceError(
+                501,
+                f"the server's radix cache is {type(tree).__name__}; splices need "
+                "'--radix-cache-backend leyline' (leyline serve sets it)",
+            )
+        if tree.page_size != 1:
+            raise SpliceError(501, f"splices need --page-size 1 (server has {tree.page_size})")
+        return tree
+
+    def kv_buffers(self) -> KVLayout:
+        """The pool's per-layer buffers by kind (``kv_layout``); 501 for pools not wired in."""
+        if self._layout is None:
+            pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
+            try:
+                layout = kv_layout(pool)
+                check_full_attention(served_model(self.scheduler))
+            except UnsupportedKV as e:
+                raise SpliceError(501, f"splices are not supported on this model: {e}") from e
+            self._layout = layout
+        return self._layout
+
+    def rope_spec(self) -> tuple[RopeSpec, RopeBand, str]:
+        """The served model's RoPE (``served_rope``: its rotary modules, else the config), the
+        band it occupies in a cache row, and the source ("model" or "config")."""
+        if self._rope is None:
+            layout = self.kv_buffers()
+            cfg = self.scheduler.model_config.hf_config.to_dict()
+            try:
+                spec, source = served_rope(served_model(self.scheduler), cfg)
+                band = layout.band(spec)
+            except (ValueError, KeyError, TypeError) as e:
+                raise SpliceError(501, f"splices are not supported on this model: {e}") from e
+            self._rope = (spec, band, source)
+        return self._rope
+
+    def check(self, req: SpliceRequest) -> LeylineRadixCache:
+        """Everything above, the request's token ids (400) and a free request row (503)."""
+        tree = self.tree
+        self.kv_buffers()
+        self.rope_spec()
+        vocab = self.scheduler.model_config.vocab_size
+        for name, ids in [("tokens", req.tokens)] + [
+            (f"directives[{i}].replacement", d.replacement) for i, d in enumerate(req.directives)
+        ]:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise SpliceError(400, f"{name}: token ids out of range [0, {vocab}): {bad[:5]}")
+        if self.scheduler.req_to_token_pool.available_size() < 1:
+            raise SpliceError(503, "no free request slot for the replacement prefill; retry")
+        return tree
+
+
+def check_cached(req: SpliceRequest, cached: int) -> None:
+    """409 unless all of ``req.tokens`` is cached in the request's namespace."""
+    if cached < len(req.tokens):
+        raise SpliceError(
+            409,
+            f"sequence not cached in namespace extra_key={req.extra_key!r}"
+            f"{f', cache_salt={req.cache_salt!r}' if req.cache_salt else ''}: only {cached} of "
+            f"{len(req.tokens)} tokens are cached (evicted, flushed, or never sent); "
+            "send the full request instead (it will be prefilled)",
+        )
+
+
+def check_forget_span(
+    tree: LeylineRadixCache, last_node: TreeNode, forget_at: int, ledger: Ledger
+) -> None:
+    """409 while a running request (a lock other than the splice's own) holds the span FORGET
+    would purge."""
+    _, f_chain = tree.chain_from(last_node, forget_at)
+    if not f_chain:
+        return
+    ours = ledger.locked_path()
+    if any(n.lock_ref > (1 if n in ours else 0) for n in tree.subtree_nodes(f_chain[0])):
+        raise SpliceError(409, "FORGET: a running request still uses the span to purge; retry")
+
+
+def check_capacity(tree: LeylineRadixCache, needed: int) -> None:
+    """503 unless ``needed`` fits in free slots plus unlocked tree nodes (the splice's path is
+    locked)."""
+    room = int(tree.token_to_kv_pool_allocator.available_size()) + int(tree.evictable_size())
+    if needed > room:
+        raise SpliceError(
+            503,
+            f"KV pool too small for this splice: needs {needed} slots, {room} free or "
+            "evictable (the rest is in use or locked); retry later or send the full request",
+        )
