@@ -14,7 +14,6 @@ from leyline_agent.arms import ARMS, DEFAULT_POLICY
 from leyline_agent.commands.options import (
     Arms,
     ArmsPolicy,
-    EmbeddedBackend,
     ServedModelPath,
     backend_key_option,
     csv,
@@ -43,7 +42,14 @@ def replay(
     concurrency: Annotated[
         str, typer.Option(help="comma-separated levels: sessions in flight at once")
     ] = "1",
-    backend: EmbeddedBackend = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="URL",
+            help="a running `leyline serve` URL; repeat for several (each session runs on its "
+            "namespace's home backend, as in leyline proxy); default: start the embedded one",
+        ),
+    ] = None,
     backend_api_key: Annotated[
         str | None,
         backend_key_option(
@@ -111,7 +117,8 @@ def replay(
             concurrency=levels,
             max_turns=max_turns,
             model_path=str(model_path) if model_path else None,
-            backend=backend,
+            backend=backend[0] if backend else None,
+            backends=list(backend or []),
             seed=seed,
             agreement=agreement,
         )
@@ -122,6 +129,8 @@ def replay(
     except PolicyError as e:
         raise typer.BadParameter(str(e), param_hint="--policy") from e
 
+    if backend and len({u.rstrip("/") for u in backend}) != len(backend):
+        raise typer.BadParameter(f"a backend is given twice: {backend}", param_hint="--backend")
     try:
         loaded = [t for p in paths for t in load(p) if t.turns]
     except TraceFormatError as e:
@@ -132,7 +141,8 @@ def replay(
     renderer = load_renderer(model_path)
 
     server = None
-    if backend is None:
+    urls = list(backend or [])
+    if not urls:
         from leyline_agent.backends.sglang.launch import (
             DEFAULT_MAX_TOTAL_TOKENS,
             EmbeddedServer,
@@ -147,11 +157,14 @@ def replay(
         except ServerError as e:
             err.print(str(e))
             raise typer.Exit(1) from e
-        backend = server.url
+        urls = [server.url]
         backend_api_key = None
-    client = LeylineClient(backend, api_key=backend_api_key or None)
+    clients = [LeylineClient(u, api_key=backend_api_key or None) for u in urls]
+    client = clients if len(clients) > 1 else clients[0]
     try:
-        backend_info = runinfo.backend_info(client.http)
+        backend_info = runinfo.backend_info(clients[0].http)
+        if len(clients) > 1:
+            backend_info["backends"] = [runinfo.backend_info(c.http) for c in clients]
         label = f"{len(loaded)} traces x {len(spec.arms)} arms"
         total = total_turns(loaded, spec)
         if err.is_terminal:
@@ -164,10 +177,11 @@ def replay(
         else:  # a log file: plain lines, not a live bar
             results = replay(spec, client, renderer, loaded, on_turn=PlainProgress(label, total))
     except httpx.HTTPError as e:
-        err.print(f"backend {backend} failed: {type(e).__name__}: {e}")
+        err.print(f"backend {', '.join(urls)} failed: {type(e).__name__}: {e}")
         raise typer.Exit(1) from e
     finally:
-        client.close()
+        for c in clients:
+            c.close()
         if server is not None:
             server.stop()
 

@@ -5,7 +5,9 @@ generates one token.
 
 Every session has its own namespace (``extra_key``), so arms and levels never share cache entries.
 At concurrency level ``c`` the sessions of one level run on a pool of ``c`` threads (sessions run
-in parallel; the turns of one session stay in order).
+in parallel; the turns of one session stay in order). With several backends each session runs on
+its namespace's home backend (``routing.home``, the proxy's session-affine assignment), its
+argmax reference with it.
 
 Argmax reference: on every spliced turn the splice session also sends the same edited prompt to a
 second namespace of its own that only ever gets exact prefills (prefix-cached, never spliced), and
@@ -30,6 +32,7 @@ from leyline_agent.chat.render import Renderer
 from leyline_agent.client import LeylineClient
 from leyline_agent.policies import Policy, PolicyError, parse_policy
 from leyline_agent.replay.spec import ReplaySpec, TurnRow
+from leyline_agent.routing import home
 from leyline_agent.session import SessionCore
 from leyline_agent.traces import Trace
 from leyline_agent.wrapper import ConversationWrapper
@@ -131,8 +134,15 @@ def session_order(
     return tasks
 
 
+def route(clients: Sequence[LeylineClient], session_id: str) -> LeylineClient:
+    """The client of the backend that is home to ``session_id``'s namespace (``SessionCore``'s
+    ``leyline:<session_id>``), by rendezvous hashing as in the proxy."""
+    by_url = {c.base_url: c for c in clients}
+    return by_url[home(list(by_url), f"leyline:{session_id}")]
+
+
 def run_level(
-    client: LeylineClient,
+    clients: Sequence[LeylineClient],
     renderer: Renderer,
     policy: Policy,
     traces: Sequence[Trace],
@@ -141,25 +151,27 @@ def run_level(
     run_id: str,
     on_turn: Callable[[TurnRow], None] | None = None,
 ) -> LevelResult:
-    """Every (trace, arm) session of one concurrency level, ``level`` at a time."""
+    """Every (trace, arm) session of one concurrency level, ``level`` at a time, each on its
+    home backend among ``clients`` (see ``route``)."""
     tasks = session_order(traces, spec.arms, level, spec.seed)
+    sid = [f"replay-{run_id}-c{level}-t{t}-{arm}" for t, arm in tasks]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=level, thread_name_prefix=f"replay-c{level}") as pool:
         futures = [
             pool.submit(
                 replay_session,
-                client,
+                route(clients, sid[i]),
                 renderer,
                 policy,
                 arm,
                 traces[t],
                 level=level,
-                session_id=f"replay-{run_id}-c{level}-t{t}-{arm}",
+                session_id=sid[i],
                 max_turns=spec.max_turns,
                 agreement=spec.agreement,
                 on_turn=on_turn,
             )  # fmt: skip
-            for t, arm in tasks
+            for i, (t, arm) in enumerate(tasks)
         ]
         rows = [row for f in futures for row in f.result()]
     return LevelResult(level, rows, time.perf_counter() - t0)
@@ -167,12 +179,13 @@ def run_level(
 
 def replay(
     spec: ReplaySpec,
-    client: LeylineClient,
+    client: LeylineClient | Sequence[LeylineClient],
     renderer: Renderer,
     traces: Sequence[Trace],
     on_turn: Callable[[TurnRow], None] | None = None,
 ) -> list[LevelResult]:
-    """Run every level of ``spec`` on ``traces``, in order.
+    """Run every level of ``spec`` on ``traces``, in order; ``client``: the backend, or several
+    (each session on its home backend, see ``route``).
 
     Raises:
         PolicyError: ``spec.policy`` is not a valid policy spec.
@@ -180,8 +193,9 @@ def replay(
     """
     policy = parse_policy(spec.policy)
     run_id = uuid.uuid4().hex[:8]
+    clients = [client] if isinstance(client, LeylineClient) else list(client)
     return [
-        run_level(client, renderer, policy, traces, spec, level, run_id, on_turn)
+        run_level(clients, renderer, policy, traces, spec, level, run_id, on_turn)
         for level in spec.concurrency
     ]
 

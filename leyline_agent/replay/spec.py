@@ -16,6 +16,8 @@ class ReplaySpec(BaseModel):
     arms: arms to run, in report order.
     concurrency: levels; at each, that many sessions run at once.
     max_turns: replay only the first N turns of each trace (None: all).
+    backend: the first ``--backend`` (None: the embedded server); backends: every one given
+        (several: each session runs on its namespace's home backend, ``routing.home``).
     seed: seeds the order in which a level's sessions are submitted.
     agreement: run the argmax reference path on spliced turns.
     """
@@ -29,6 +31,7 @@ class ReplaySpec(BaseModel):
     max_turns: int | None = Field(default=None, ge=1)
     model_path: str | None = None
     backend: str | None = None
+    backends: list[str] = Field(default_factory=list)
     seed: int = 0
     agreement: bool = True
 
