@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 
-from leyline_agent.arms import ARMS, DEFAULT_POLICY
 from leyline_agent.commands.options import (
     Arms,
     ArmsPolicy,
@@ -35,8 +34,8 @@ def debug_gym(
     tasks: Annotated[
         str, typer.Option(help="'all' or comma-separated mini_nightmare tasks")
     ] = "all",
-    arms: Arms = ",".join(ARMS),
-    policy: ArmsPolicy = DEFAULT_POLICY,
+    arms: Arms = ",".join(spec_default(EvalSpec, "arms")),
+    policy: ArmsPolicy = spec_default(EvalSpec, "policy"),
     backend: EmbeddedBackend = None,
     llm_url: Annotated[
         str | None,

@@ -10,15 +10,16 @@ from typing import Annotated
 
 import typer
 
-from leyline_agent.arms import ARMS, DEFAULT_POLICY
 from leyline_agent.commands.options import (
     Arms,
     ArmsPolicy,
     ServedModelPath,
     backend_key_option,
     csv,
+    spec_default,
 )
 from leyline_agent.commands.progress import progress_bar
+from leyline_agent.replay.spec import ReplaySpec
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -37,11 +38,11 @@ def replay(
         bool,
         typer.Option("--examples", help="also replay the built-in example traces", metavar=""),
     ] = False,
-    policy: ArmsPolicy = DEFAULT_POLICY,
-    arms: Arms = ",".join(ARMS),
+    policy: ArmsPolicy = spec_default(ReplaySpec, "policy"),
+    arms: Arms = ",".join(spec_default(ReplaySpec, "arms")),
     concurrency: Annotated[
         str, typer.Option(help="comma-separated levels: sessions in flight at once")
-    ] = "1",
+    ] = ",".join(map(str, spec_default(ReplaySpec, "concurrency"))),
     backend: Annotated[
         list[str] | None,
         typer.Option(
@@ -63,7 +64,9 @@ def replay(
         int | None, typer.Option(min=1, help="replay only the first N turns of each trace")
     ] = None,
     model_path: ServedModelPath = None,
-    seed: Annotated[int, typer.Option(help="seeds the session submission order")] = 0,
+    seed: Annotated[int, typer.Option(help="seeds the session submission order")] = spec_default(
+        ReplaySpec, "seed"
+    ),
     agreement: Annotated[
         bool,
         typer.Option(
@@ -71,7 +74,7 @@ def replay(
             help="compare the splice arm's argmax with an exact path",
             metavar="",
         ),
-    ] = True,
+    ] = spec_default(ReplaySpec, "agreement"),
 ) -> None:
     """Replay agent traces turn by turn through the arms none, reprefill and splice.
 
@@ -96,7 +99,6 @@ def replay(
     from leyline_agent.policies import PolicyError, parse_policy
     from leyline_agent.replay import examples_dir, plots, report
     from leyline_agent.replay.runner import replay, total_turns
-    from leyline_agent.replay.spec import ReplaySpec
     from leyline_agent.traces import TraceFormatError, load
 
     err = Console(stderr=True)
