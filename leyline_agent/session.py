@@ -87,6 +87,7 @@ class SessionCore:
         self.messages: list[dict[str, Any]] = []
         # the previous turn's reply after wrapper.tokens: its ids, its length, or None: unknown
         self._reply: list[int] | int | None = 0
+        self._moved: str | None = None  # why the session moved to another backend (next turn)
 
     def set_cache_salt(self, cache_salt: str | None) -> None:
         """Use the client's ``cache_salt`` from this turn on. A changed salt is another cache
@@ -97,6 +98,15 @@ class SessionCore:
             self.cache_salt = cache_salt
             self.wrapper.reset()
             self._reply = 0
+
+    def move(self, client: LeylineClient, why: str) -> None:
+        """Continue on another backend (``client``; the proxy's failover), which holds nothing
+        of this namespace. The next turn sends no splice and is a cold prefill
+        (``best_reused`` 0); if it is edited, it counts as a splice miss with reason
+        ``failover`` (``splice_error``: ``why``). Its tokens stay, so the policy and the diff
+        see the conversation unchanged."""
+        self.client = client
+        self._moved = why
 
     def forget(self) -> None:
         """Forget the session's tokens (the next turn is prefilled in full, no splice); the
@@ -145,7 +155,12 @@ class SessionCore:
         error: str | None = None
         reason: str | None = None
         splice_ms = 0.0
-        if self.splice_enabled and plan.directives and self.wrapper.tokens:
+        moved, self._moved = self._moved, None
+        if moved is not None:  # NOTE: the new backend holds none of the session's KV
+            best = 0
+            if self.splice_enabled and plan.directives:
+                error, reason = f"failover: {moved}", "failover"
+        elif self.splice_enabled and plan.directives and self.wrapper.tokens:
             try:
                 result = self.client.splice(
                     self.wrapper.tokens,

@@ -15,7 +15,13 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=N
 @app.command("proxy")
 def proxy(
     backend: Annotated[
-        str, typer.Option(help="Leyline-enabled SGLang server (leyline serve), e.g. http://h:30000")
+        list[str],
+        typer.Option(
+            metavar="URL",
+            help="Leyline-enabled SGLang server (leyline serve), e.g. http://h:30000; repeat for "
+            "several: each session stays on one (rendezvous hashing of its namespace) and fails "
+            "over to the next when it is down (docs/scale-out.md).",
+        ),
     ],
     policy: Policy,
     port: Port = 8000,
@@ -53,6 +59,9 @@ def proxy(
             "The backend's key (leyline serve --api-key), sent on every upstream request."
         ),
     ] = None,
+    health_interval: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between two polls of each backend's /health.")
+    ] = 5.0,
 ) -> None:
     """OpenAI-compatible proxy: POST /v1/chat/completions with policy-driven cache edits.
 
@@ -66,15 +75,21 @@ def proxy(
     from leyline_agent.policies import PolicyError
     from leyline_agent.proxy import create_app
     from leyline_agent.proxy.auth import ApiKeys
+    from leyline_agent.routing import rank
 
     try:
         ApiKeys(api_key or ())
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--api-key") from e
     try:
+        rank(backend, "")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--backend") from e
+    try:
         api = create_app(
             backend, policy, splice=splice, record_dir=record, model_path=model_path,
             api_keys=api_key, backend_api_key=backend_api_key or None,
+            health_interval=health_interval,
         )  # fmt: skip
     except PolicyError as e:
         raise typer.BadParameter(str(e), param_hint="--policy") from e

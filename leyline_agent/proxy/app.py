@@ -17,14 +17,19 @@ Keys (``api_keys``, ``proxy/auth.py``): every route but ``/health`` then needs a
 (401 otherwise, before anything else runs); the key's tenant scopes the session, its namespace and
 the listings. ``backend_api_key`` is sent upstream on every request.
 
+Several backends (``backends.py``): each session is pinned to one by rendezvous hashing of its
+namespace, fails over to the next one up when its own is down, and ``/health`` of every backend
+is polled each ``health_interval`` seconds.
+
 Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
 ``GET /leyline/sessions/{id}``, ``GET /metrics`` (Prometheus text), ``GET /health``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +38,10 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from leyline_agent.chat.model_dir import load_renderer
-from leyline_agent.client import LeylineClient, auth_headers
 from leyline_agent.policies import Policy, parse_policy
 from leyline_agent.proxy import metrics
 from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
+from leyline_agent.proxy.backends import DEFAULT_HEALTH_INTERVAL, BackendPool
 from leyline_agent.proxy.chat import chat_completions
 from leyline_agent.proxy.responses import error_response, passthrough, unreachable
 from leyline_agent.proxy.sessions import SessionRegistry
@@ -50,7 +55,7 @@ class LeylineProxy:
 
     def __init__(
         self,
-        backend_url: str,
+        backend_url: str | Sequence[str],
         policy: Policy,
         *,
         splice: bool,
@@ -61,16 +66,17 @@ class LeylineProxy:
         timeout: float,
         backend_api_key: str | None = None,
     ) -> None:
-        self.backend_url = backend_url.rstrip("/")
+        urls = [backend_url] if isinstance(backend_url, str) else list(backend_url)
         limits = httpx.Timeout(timeout, connect=connect_timeout)
-        self.client = LeylineClient(self.backend_url, timeout=limits, api_key=backend_api_key)
-        self.http = httpx.AsyncClient(
-            base_url=self.backend_url, timeout=limits, headers=auth_headers(backend_api_key)
-        )
+        self.pool = BackendPool(urls, timeout=limits, api_key=backend_api_key)
+        # the first backend's: /v1/models and the context length (every backend serves one model)
+        self.backend_url = self.pool.first.url
+        self.client, self.http = self.pool.first.client, self.pool.first.http
         renderer = load_renderer(model_path)
 
         def new_core(session_id: str, namespace: str) -> SessionCore:
             wrapper = ConversationWrapper(renderer, policy)
+            # NOTE: the client is the session's backend, set by BackendPool.route on its first turn
             return SessionCore(
                 self.client, wrapper, session_id=session_id, namespace=namespace, splice=splice
             )
@@ -95,21 +101,28 @@ class LeylineProxy:
 
     async def aclose(self) -> None:
         await self.http.aclose()
-        self.client.close()
+        await self.pool.aclose()
 
     async def chat_completions(self, request: Request) -> Response:
         return await chat_completions(self, request)
 
     async def models(self) -> Response:
-        try:
-            return passthrough(await self.http.get("/v1/models"))
-        except httpx.HTTPError as e:
-            return unreachable(self.backend_url, e)
+        """The first backend's ``GET /v1/models``; while it is down, another's that is up."""
+        others = [(b.url, b.http) for b in self.pool.up() if b.url != self.backend_url]
+        first: tuple[str, httpx.HTTPError] | None = None
+        for url, http in [(self.backend_url, self.http), *others]:
+            try:
+                return passthrough(await http.get("/v1/models"))
+            except httpx.HTTPError as e:
+                first = first or (url, e)
+        assert first is not None  # the loop ran at least once
+        return unreachable(*first)
 
     def sessions(self, request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)  # a caller sees its own tenant only
         return {
             "backend": self.backend_url,
+            "backends": self.pool.urls,
             "tenant": tenant,
             "sessions": [s.summary() for s in self.registry.sessions(tenant)],
             "totals": self.registry.totals(tenant).as_dict(),
@@ -123,11 +136,12 @@ class LeylineProxy:
 
     def metrics(self, request: Request) -> Response:
         text = metrics.render(self.registry, self.parity, tenant=tenant_of(request))
+        text += metrics.render_backends(self.pool, self.registry.sessions())
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
 
 def create_app(
-    backend_url: str,
+    backend_url: str | Sequence[str],
     policy: Policy | str,
     *,
     splice: bool = True,
@@ -138,8 +152,10 @@ def create_app(
     timeout: float = 600.0,
     api_keys: Sequence[str] | None = None,
     backend_api_key: str | None = None,
+    health_interval: float = DEFAULT_HEALTH_INTERVAL,
 ) -> FastAPI:
-    """The proxy app in front of ``backend_url`` (a ``leyline serve``, without ``/v1``).
+    """The proxy app in front of ``backend_url`` (a ``leyline serve``, without ``/v1``), or of
+    several (a list of URLs; sessions routed by namespace, see ``backends.py``).
 
     Args:
         policy: a policy or a spec such as ``"stale_tool_outputs:keep_last=2"``.
@@ -151,11 +167,12 @@ def create_app(
         api_keys: client keys, ``KEY`` or ``KEY=TENANT`` (see ``proxy/auth.py``); None or empty:
             no authentication, one tenant (``default``).
         backend_api_key: the backend's own key (``leyline serve --api-key``), sent upstream.
+        health_interval: seconds between two polls of every backend's ``/health``.
 
     Raises:
         PolicyError: an unknown policy or bad policy parameters.
         FileNotFoundError, ValueError: ``model_path`` has no tokenizer or chat template; an
-            empty API key or one key given for two tenants.
+            empty API key or one key given for two tenants; no backend, or one given twice.
     """
     keys = ApiKeys(api_keys or ())
     proxy = LeylineProxy(
@@ -172,8 +189,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await proxy.aclose()
+        health = asyncio.create_task(proxy.pool.run_health_checks(health_interval))
+        try:
+            yield
+        finally:
+            health.cancel()
+            with suppress(asyncio.CancelledError):
+                await health
+            await proxy.aclose()
 
     app = FastAPI(title="Leyline proxy", lifespan=lifespan)
     app.state.proxy = proxy

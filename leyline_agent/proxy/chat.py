@@ -37,6 +37,7 @@ from leyline_agent.chat.request import max_new_tokens, request_error, template_k
 from leyline_agent.directive import DirectiveError
 from leyline_agent.policies import PolicyError
 from leyline_agent.proxy.auth import tenant_of
+from leyline_agent.proxy.backends import Backend
 from leyline_agent.proxy.identity import SESSION_HEADER
 from leyline_agent.proxy.relay import StreamEnd, relay
 from leyline_agent.proxy.responses import backend_error, error_response, passthrough, unreachable
@@ -126,7 +127,9 @@ class Turn:
 
 
 async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
-    """One turn (see the module docstring); errors as ``app.py`` describes."""
+    """One turn (see the module docstring); errors as ``app.py`` describes. The turn goes to the
+    session's backend (``BackendPool.route``); one that cannot be connected to is marked down and
+    the turn is planned again on the session's next backend (failover), until none is up."""
     try:
         body = await request.json()
     except ValueError:
@@ -153,8 +156,9 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     handed_over = False  # the streaming relay releases the lock when it ends
     turn: Turn | None = None
     t0 = time.perf_counter()
-    try:
-        session.core.set_cache_salt(salt)  # one namespace (extra_key, cache_salt) per turn
+
+    async def forward_turn(backend: Backend) -> Response:
+        nonlocal turn, t0, handed_over
         cont = bool(body.get("continue_final_message"))
         try:
             view = chat_request_view(messages, tools, body.get("tool_choice"), cont)
@@ -182,8 +186,9 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
                 "include_usage": True,
             }
             forward["return_input_ids_in_sglext"] = True
-            req = proxy.http.build_request("POST", "/v1/chat/completions", json=forward)
-            upstream = await proxy.http.send(req, stream=True)
+            req = backend.http.build_request("POST", "/v1/chat/completions", json=forward)
+            upstream = await backend.http.send(req, stream=True)
+            backend.count(error=upstream.status_code >= 500)
             if upstream.status_code != 200:
                 await upstream.aread()
                 await upstream.aclose()
@@ -200,7 +205,8 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
             handed_over = True
             return StreamingResponse(lines, media_type="text/event-stream", headers=headers)
         forward["return_prompt_token_ids"] = True
-        r = await proxy.http.post("/v1/chat/completions", json=forward)
+        r = await backend.http.post("/v1/chat/completions", json=forward)
+        backend.count(error=r.status_code >= 500)
         request_ms = (time.perf_counter() - t0) * 1e3
         if r.status_code != 200:
             turn.failed(t0, r.status_code)
@@ -210,10 +216,30 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
         ids = pop_prompt_ids(data, keep=keep)
         turn.finish(data, request_ms=request_ms, prompt_ids=ids)
         return JSONResponse(data, headers=headers)
+
+    try:
+        backend = proxy.pool.route(session)
+        session.core.set_cache_salt(salt)  # one namespace (extra_key, cache_salt) per turn
+        tries = len(proxy.pool.urls)
+        while True:
+            try:
+                return await forward_turn(backend)
+            except httpx.ConnectError as e:  # NOTE: nothing reached the backend: safe to redo
+                backend.count(error=True)
+                proxy.pool.mark_down(backend, e)
+                tries -= 1
+                if tries == 0 or not proxy.pool.up():
+                    raise
+                if turn is not None:
+                    turn.failed(t0, repr(e))
+                    turn = None
+                backend = proxy.pool.route(session)
     except httpx.HTTPError as e:
+        if not isinstance(e, httpx.ConnectError):
+            backend.count(error=True)
         if turn is not None:
             turn.failed(t0, repr(e))
-        return unreachable(proxy.backend_url, e, headers)
+        return unreachable(backend.url, e, headers)
     finally:
         if not handed_over:
             session.lock.release()

@@ -7,15 +7,22 @@ token families are the ``accounting.Totals`` of the same name, except
 the answers' ``usage.prompt_tokens_details.cached_tokens``).
 ``leyline_proxy_render_mismatches_total`` / ``leyline_proxy_resyncs_total``: turns whose backend
 prompt tokens differed from the rendered ones / after which the session adopted the backend's.
+``leyline_proxy_backend_*{backend="<url>"}`` (``render_backends``, proxy-wide): per backend,
+requests forwarded, errors, sessions that failed over away from it, live sessions on it, up.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from leyline_agent.accounting import Totals, TurnRecord
-from leyline_agent.proxy.sessions import SessionRegistry
+from leyline_agent.proxy.sessions import ProxySession, SessionRegistry
+
+if TYPE_CHECKING:
+    from leyline_agent.proxy.backends import BackendPool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -132,5 +139,47 @@ def render(
         "counter",
         "Directives sent, by mode. Per live session.",
         [s for sid, c in live for s in _modes(c, f'session="{_label(sid)}",')],
+    )
+    return "\n".join(out) + "\n"
+
+
+def render_backends(pool: BackendPool, sessions: Iterable[ProxySession]) -> str:
+    """The per-backend families (label ``backend="<url>"``) for every backend of ``pool``;
+    ``sessions``: the live sessions, counted where they are pinned."""
+    on = Counter(s.backend for s in sessions)
+    bs = list(pool.backends.values())
+
+    def per(values: Iterable[float]) -> list[tuple[str, float]]:
+        return [(f'{{backend="{_label(b.url)}"}}', v) for b, v in zip(bs, values, strict=True)]
+
+    out = _family(
+        "leyline_proxy_backend_requests_total",
+        "counter",
+        "Chat-completion requests forwarded to the backend.",
+        per(b.requests for b in bs),
+    )
+    out += _family(
+        "leyline_proxy_backend_errors_total",
+        "counter",
+        "Requests to the backend that failed: no connection, a timeout, a 5xx answer.",
+        per(b.errors for b in bs),
+    )
+    out += _family(
+        "leyline_proxy_backend_failovers_total",
+        "counter",
+        "Sessions moved away from the backend while it was down.",
+        per(b.failovers for b in bs),
+    )
+    out += _family(
+        "leyline_proxy_backend_sessions",
+        "gauge",
+        "Live sessions whose KV is on the backend.",
+        per(on[b.url] for b in bs),
+    )
+    out += _family(
+        "leyline_proxy_backend_up",
+        "gauge",
+        "1 while the backend takes sessions (health checks and requests), else 0.",
+        per(int(b.up) for b in bs),
     )
     return "\n".join(out) + "\n"

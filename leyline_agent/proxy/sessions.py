@@ -51,6 +51,7 @@ class ProxySession:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     warned: bool = False  # logged that the backend's prompt differs from the rendered one
+    backend: str | None = None  # the URL of the backend holding its KV (``backends.py``)
     # the committed messages last seen by committed_form(), their match forms, cumulative sizes
     _seen: list[dict[str, Any]] | None = field(default=None, repr=False)
     _form: tuple[list[dict[str, Any]], list[int]] = field(
@@ -87,6 +88,7 @@ class ProxySession:
             "id": self.id,
             "tenant": self.tenant,
             "namespace": self.core.namespace,
+            "backend": self.backend,
             "source": self.source,
             "splice": self.core.splice_enabled,
             "created": self.created,
