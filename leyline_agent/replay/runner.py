@@ -89,7 +89,7 @@ def replay_session(
             row = TurnRow(
                 turn=i, prompt_tokens=0, server_cached_tokens=0, prefilled_tokens=0,
                 reused_tokens=0, best_reused_tokens=0, level=level, arm=arm, trace=trace.name,
-                error=message, skip_reason=reason,
+                error=message, skip_reason=reason, backend=client.base_url,
             )  # fmt: skip
         else:
             row = TurnRow(
@@ -98,6 +98,7 @@ def replay_session(
                 arm=arm,
                 trace=trace.name,
                 turn_ms=record.splice_ms + record.request_ms,
+                backend=client.base_url,
             )
             if agreement and record.spliced:
                 ref = client.generate(core.wrapper.tokens, extra_key=reference_ns)

@@ -61,6 +61,7 @@ class TurnRow(TurnRecord):
         and the next turn started a fresh prompt.
     skip_reason: the short form of ``error`` that the totals count (``TemplateError``,
         ``PolicyError``, ``HTTP 400``, ...).
+    backend: the URL of the backend the session ran on.
     """
 
     level: int
@@ -71,3 +72,4 @@ class TurnRow(TurnRecord):
     argmax_agree: bool | None = None
     error: str | None = None
     skip_reason: str | None = None
+    backend: str | None = None
