@@ -78,8 +78,10 @@ def pick_reply(replies: Sequence[Reply], target: int | None) -> Reply:
     return next((r for r in held if r.status != 200), held[0])
 
 
-_SUMMED = ("free", "cached", "in_use", "total", "evictable", "protected")
-_SUMMED += ("duplicate_slots", "tree_and_free_list")
+_SUMMED = (
+    "free", "cached", "in_use", "total", "evictable", "protected",
+    "duplicate_slots", "tree_and_free_list",
+)  # fmt: skip
 _ALL = ("idle", "sglang_idle_check")
 
 
