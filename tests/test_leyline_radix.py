@@ -116,7 +116,10 @@ def test_staged_prefix_overrides_the_tree_path_for_a_prefill() -> None:
     tree = make_tree()
 
     class Req:  # the two attributes prefix_device_indices reads
+        rid = "splice-1"
         prefix_len = 3
-        leyline_prefix = torch.tensor([9, 8, 7, 6])
 
+    tree.stage_prefix(Req.rid, torch.tensor([9, 8, 7, 6]))
     assert tree.prefix_device_indices(Req()).tolist() == [9, 8, 7]
+    tree.unstage_prefix(Req.rid)
+    assert Req.rid not in tree.staged_prefixes

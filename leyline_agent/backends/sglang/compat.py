@@ -114,7 +114,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "TreeCacheBuildContext": (
         "params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache",
     ),
-    "Req": ("kv", "prefix_len", "last_node", "extend_end", "cache_salt", "refresh_fill_ids"),
+    "Req": ("rid", "kv", "prefix_len", "last_node", "extend_end", "cache_salt", "refresh_fill_ids"),
     "ReqKvInfo": ("req_pool_idx", "cache_protected_len", "holds_kv", "mark_kv_released"),
     "ScheduleBatch": ("init_new", "prepare_for_extend", "out_cache_loc"),
     "TokenToKVPoolAllocator": (

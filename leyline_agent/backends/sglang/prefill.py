@@ -3,8 +3,9 @@ prefix given as slot indices (which need not be a tree path).
 
 A synthetic ``Req`` goes through ``ScheduleBatch.prepare_for_extend`` (allocates the request row
 and the new tokens' slots; may evict unlocked tree nodes) and ``Scheduler.run_batch`` (the forward
-pass writes the new tokens' KV). ``LeylineRadixCache.prefix_device_indices`` hands SGLang the staged
-prefix. On any failure, the request row and the new slots are freed before re-raising.
+pass writes the new tokens' KV). The prefix is staged on the tree for the request's ``rid``
+(``LeylineRadixCache.stage_prefix``; its ``prefix_device_indices`` hands it to SGLang) and unstaged
+whatever happens. On any failure, the request row and the new slots are freed before re-raising.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ def prefill_tokens(
         vocab_size=s.model_config.vocab_size,
     )
     req.cache_salt = cache_salt
-    req.leyline_prefix = prefix
     req.refresh_fill_ids()
     req.prefix_len = n_prefix
     req.last_node = tree.root_node
@@ -67,6 +67,7 @@ def prefill_tokens(
         False,
         s.spec_algorithm,
     )
+    tree.stage_prefix(req.rid, prefix)
     try:
         batch.prepare_for_extend()
         fault("prefill.prepare")
@@ -80,6 +81,8 @@ def prefill_tokens(
             s.req_to_token_pool.free(req)
             req.kv.mark_kv_released()
         raise
+    finally:
+        tree.unstage_prefix(req.rid)
     row = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     slots = row[n_prefix : len(tokens)].to(torch.int64).clone()
     s.req_to_token_pool.free(req)

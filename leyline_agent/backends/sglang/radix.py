@@ -16,7 +16,7 @@ or (for the duration of a splice only) the splice itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,9 +31,21 @@ BACKEND_NAME = "leyline"
 class LeylineRadixCache(RadixCache):
     """``RadixCache`` with splice surgery. See the module docstring for the ownership invariant."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.staged_prefixes: dict[str, torch.Tensor] = {}  # rid -> prefix slots (int64)
+        super().__init__(*args, **kwargs)
+
     # ---- the replacement prefill reads its prefix from here, not from a tree path ----
+    def stage_prefix(self, rid: str, slots: torch.Tensor) -> None:
+        """Until :meth:`unstage_prefix`, request ``rid`` attends to ``slots`` as its prefix (a
+        splice's replacement prefill: the edited sequence before it is not a tree path)."""
+        self.staged_prefixes[rid] = slots
+
+    def unstage_prefix(self, rid: str) -> None:
+        self.staged_prefixes.pop(rid, None)
+
     def prefix_device_indices(self, req: Req) -> torch.Tensor:
-        staged = getattr(req, "leyline_prefix", None)
+        staged = self.staged_prefixes.get(req.rid)
         if staged is not None:
             return staged[: req.prefix_len]
         return super().prefix_device_indices(req)
