@@ -32,6 +32,8 @@ SYMBOLS: dict[str, str] = {
     "TypeBasedDispatcher": "sglang.utils:TypeBasedDispatcher",
     "HookRegistry": "sglang.srt.plugins.hook_registry:HookRegistry",
     "HookType": "sglang.srt.plugins.hook_registry:HookType",
+    "get_parallel": "sglang.srt.runtime_context:get_parallel",
+    "TokenizerManager": "sglang.srt.managers.tokenizer_manager:TokenizerManager",
     "http_server": "sglang.srt.entrypoints.http_server",
     # radix tree and KV pools
     "RadixCache": "sglang.srt.mem_cache.radix_cache:RadixCache",

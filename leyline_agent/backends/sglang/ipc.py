@@ -15,20 +15,30 @@ from leyline_agent.backends.sglang.compat import BaseReq
 
 
 class SpliceReqInput(BaseReq, kw_only=True):  # type: ignore[call-arg]
+    """``dp_rank``: with ``--dp-size`` > 1 the one DP rank that runs it (the others answer
+    ``dp.NOT_MINE``); None: every rank runs it (``dp.pick_reply`` chooses the reply)."""
+
     payload: str
+    dp_rank: int | None = None
 
 
 class SpliceReqOutput(BaseReq, kw_only=True):  # type: ignore[call-arg]
+    """``dp_rank``: the DP rank that answered (replies arrive in any order)."""
+
     status: int
     body: str
+    dp_rank: int = 0
 
 
 class InspectReqInput(BaseReq, kw_only=True):  # type: ignore[call-arg]
-    """``payload``: JSON ``{"op": "stats"}`` or (debug endpoints only) ``{"op": "rows", ...}``."""
+    """``payload``: JSON ``{"op": "stats"}`` or (debug endpoints only) ``{"op": "rows", ...}``;
+    ``dp_rank`` as for ``SpliceReqInput``."""
 
     payload: str
+    dp_rank: int | None = None
 
 
 class InspectReqOutput(BaseReq, kw_only=True):  # type: ignore[call-arg]
     status: int
     body: str
+    dp_rank: int = 0

@@ -8,6 +8,8 @@ detokenizer), then applies the hooks. Each hook is small and named for what it c
   joins the argparse choices, which ``launch_server`` parses after ``load_plugins()``).
 - ``add_splice_dispatch`` (AFTER ``Scheduler.init_request_dispatcher``): the scheduler answers
   ``SpliceReqInput`` / ``InspectReqInput`` between batches.
+- ``pin_to_dp_rank`` (BEFORE ``TokenizerManager.generate_request``): with ``--dp-size`` > 1 a
+  request with a cache namespace goes to that namespace's home DP rank (``dp.py``).
 - ``add_communicators``: the tokenizer manager gets ``leyline_splice_communicator`` and
   ``leyline_inspect_communicator`` (``_COMMUNICATOR_SPECS``, read when it is built).
 - ``add_http_routes`` (main process only): ``POST /leyline/splice``, ``GET /leyline/stats``, and
@@ -44,6 +46,11 @@ def register() -> None:
         "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
         add_splice_dispatch,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        pin_to_dp_rank,
+        HookType.BEFORE,
     )
     if multiprocessing.parent_process() is None:
         add_http_routes()
@@ -86,22 +93,48 @@ def add_communicators() -> None:
             tcm._COMMUNICATOR_SPECS.append((name, out_type))
 
 
+def pin_to_dp_rank(tm: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook: a generate/chat request in a cache namespace (``extra_key``/``cache_salt``)
+    that names no DP rank itself goes to the namespace's home rank (``dp.home_rank``), where its
+    splices run too. A no-op with one DP rank, for batches of namespaces, and without one."""
+    from leyline_agent.backends.sglang.dp import home_rank
+
+    obj = args[0] if args else kwargs.get("obj")
+    if obj is None or not hasattr(obj, "routed_dp_rank"):
+        return None
+    if obj.routed_dp_rank is not None or getattr(obj, "data_parallel_rank", None) is not None:
+        return None
+    extra_key, salt = getattr(obj, "extra_key", None), getattr(obj, "cache_salt", None)
+    if not all(v is None or isinstance(v, str) for v in (extra_key, salt)):
+        return None
+    rank = home_rank(extra_key, salt, int(getattr(tm, "elastic_worker_count", 1) or 1))
+    if rank is not None:
+        obj.routed_dp_rank = rank
+    return None
+
+
 def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook: route Leyline control requests to this scheduler's executor."""
     from leyline_agent.backends.sglang import ipc as p
-    from leyline_agent.backends.sglang.compat import TypeBasedDispatcher
+    from leyline_agent.backends.sglang.compat import TypeBasedDispatcher, get_parallel
+    from leyline_agent.backends.sglang.dp import NOT_MINE
     from leyline_agent.backends.sglang.inspect import handle_inspect
     from leyline_agent.backends.sglang.splice import SpliceExecutor
 
     executor = SpliceExecutor(scheduler)
+    me = int(get_parallel().dp_rank or 0)  # every TP rank of a DP rank runs the same request
 
     def on_splice(req: p.SpliceReqInput) -> p.SpliceReqOutput:
+        if req.dp_rank is not None and req.dp_rank != me:
+            return p.SpliceReqOutput(status=NOT_MINE, body="{}", dp_rank=me)
         status, body = executor.handle(req.payload)
-        return p.SpliceReqOutput(status=status, body=body)
+        return p.SpliceReqOutput(status=status, body=body, dp_rank=me)
 
     def on_inspect(req: p.InspectReqInput) -> p.InspectReqOutput:
+        if req.dp_rank is not None and req.dp_rank != me:
+            return p.InspectReqOutput(status=NOT_MINE, body="{}", dp_rank=me)
         status, body = handle_inspect(executor.served, req.payload)
-        return p.InspectReqOutput(status=status, body=body)
+        return p.InspectReqOutput(status=status, body=body, dp_rank=me)
 
     handlers: list[tuple[type, Callable[..., Any]]] = [
         (p.SpliceReqInput, on_splice),

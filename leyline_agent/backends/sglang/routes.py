@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from leyline_agent.backends.sglang.compat import http_server
+from leyline_agent.backends.sglang.dp import Reply, home_rank, merge_stats, pick_reply
 from leyline_agent.backends.sglang.ipc import InspectReqInput, SpliceReqInput
 from leyline_agent.backends.sglang.wire import SpliceRequest
 
@@ -22,6 +23,16 @@ def _tokenizer_manager():
     return tm
 
 
+def _dp_size(tm) -> int:
+    return int(getattr(tm, "elastic_worker_count", 1) or 1)
+
+
+def _bad_rank(rank: int | None, dp_size: int) -> JSONResponse | None:
+    if rank is None or 0 <= rank < dp_size:
+        return None
+    return JSONResponse({"error": f"dp_rank {rank} out of range [0, {dp_size})"}, status_code=422)
+
+
 async def splice(request: Request) -> JSONResponse:
     """Execute AMORTIZE / FORGET directives on a cached sequence (body: ``SpliceRequest``)."""
     raw = await request.body()
@@ -30,19 +41,48 @@ async def splice(request: Request) -> JSONResponse:
     except ValidationError as e:
         detail = json.loads(e.json(include_url=False))
         return JSONResponse({"error": "invalid splice request", "detail": detail}, status_code=422)
-    req = SpliceReqInput(payload=body.model_dump_json())
-    out = (await _tokenizer_manager().leyline_splice_communicator(req))[0]
-    return JSONResponse(json.loads(out.body), status_code=out.status)
+    tm = _tokenizer_manager()
+    n = _dp_size(tm)
+    # DP: the rank that holds the namespace (dp.py); every worker answers, replies in any order
+    target = (
+        body.dp_rank if body.dp_rank is not None else home_rank(body.extra_key, body.cache_salt, n)
+    )
+    if (bad := _bad_rank(target, n)) is not None:
+        return bad
+    req = SpliceReqInput(payload=body.model_dump_json(), dp_rank=target)
+    outs = await tm.leyline_splice_communicator(req)
+    out = pick_reply([Reply(o.dp_rank, o.status, o.body) for o in outs], target)
+    result = json.loads(out.body)
+    if n > 1 and isinstance(result, dict):
+        result["dp_rank"] = out.dp_rank
+    return JSONResponse(result, status_code=out.status)
 
 
 async def _inspect(payload: dict) -> JSONResponse:
-    req = InspectReqInput(payload=json.dumps(payload))
-    out = (await _tokenizer_manager().leyline_inspect_communicator(req))[0]
+    """``stats``: every DP rank's, merged (``dp.merge_stats``); other ops: one rank's (the
+    payload's ``dp_rank``, else the home rank of its ``extra_key``, else rank 0)."""
+    tm = _tokenizer_manager()
+    n = _dp_size(tm)
+    target = None
+    if payload.get("op") != "stats" and n > 1:
+        target = payload.get("dp_rank")
+        if target is None:
+            target = home_rank(payload.get("extra_key"), payload.get("cache_salt"), n) or 0
+    if (bad := _bad_rank(target, n)) is not None:
+        return bad
+    req = InspectReqInput(payload=json.dumps(payload), dp_rank=target)
+    outs = await tm.leyline_inspect_communicator(req)
+    if target is None and len(outs) > 1:
+        ordered = sorted(outs, key=lambda o: o.dp_rank)
+        if all(o.status == 200 for o in ordered):
+            return JSONResponse(merge_stats([json.loads(o.body) for o in ordered]))
+    out = pick_reply([Reply(o.dp_rank, o.status, o.body) for o in outs], target)
     return JSONResponse(json.loads(out.body), status_code=out.status)
 
 
 async def stats() -> JSONResponse:
-    """Allocator and tree counters (free + cached + in use == total)."""
+    """Allocator and tree counters (free + cached + in use == total); with ``--dp-size`` > 1
+    summed over the DP ranks, each rank's under ``dp_workers``."""
     return await _inspect({"op": "stats"})
 
 

@@ -45,6 +45,9 @@ class SpliceRequest(BaseModel):
     directives: non-overlapping edits in old-sequence coordinates.
     extra_key: radix-cache namespace (SGLang's ``extra_key``); None is the default namespace.
     cache_salt: SGLang's ``cache_salt`` (also a namespace component).
+    dp_rank: with SGLang ``--dp-size`` > 1, the DP rank that holds the sequence; None (default):
+        the home rank of the namespace, where the server pins its requests (``backends/sglang/
+        dp.py``). A client that pins requests itself (``routed_dp_rank``) names the same rank here.
     debug_fault, debug_fail_after_prefill: test-only, honoured only with
         ``LEYLINE_DEBUG_ENDPOINTS=1`` (fault points: ``backends/sglang/ledger.py``).
     """
@@ -55,6 +58,7 @@ class SpliceRequest(BaseModel):
     directives: list[Directive] = Field(min_length=1)
     extra_key: str | None = None
     cache_salt: str | None = None
+    dp_rank: StrictInt | None = Field(default=None, ge=0)
     debug_fault: str | None = None
     debug_fail_after_prefill: bool = False
 
