@@ -12,7 +12,7 @@ One name, one meaning, for every report (proxy sessions and ``/metrics``, ``leyl
                                part plus what the splice prefilled (``splice_prefilled_tokens``)
 ``reused_tokens``              ``prompt − prefilled``: prompt tokens whose KV was reused
 ``best_reused_tokens``         an upper bound of ``reused_tokens`` under the session's arm
-                               (``SessionCore.best_reused``)
+                               (``best_reused``)
 ``rotated_tokens``             cached tokens a splice moved to new positions (re-rotated)
 ``policy_edits``               edits the policy returned for the turn (``policy_edited_turns``:
                                turns with at least one)
@@ -29,11 +29,17 @@ One name, one meaning, for every report (proxy sessions and ``/metrics``, ``leyl
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
+
+from leyline_agent.directive import Mode
+
+if TYPE_CHECKING:
+    from leyline_agent.session import Pending
+    from leyline_agent.wrapper import TurnPlan
 
 
 class TurnRecord(BaseModel):
@@ -61,6 +67,38 @@ class TurnRecord(BaseModel):
     render_mismatch: bool = False  # the backend's prompt tokens differ from the rendered ones
     resynced: bool = False  # ... and the session adopted the backend's tokens
     error: str | None = None  # the request failed after the cache changed (a splice ran)
+
+    @classmethod
+    def of(
+        cls, pending: Pending, *, turn: int, prompt_tokens: int, cached_tokens: int, **rest: Any
+    ) -> TurnRecord:
+        """The record of a finished turn: ``pending`` (``SessionCore.begin``'s plan and splice)
+        and the request's figures (``cached_tokens``: the backend's count). ``rest``: the
+        request-side fields (``request_ms``, ``ttft_ms``, ``first_token``, ``render_mismatch``,
+        ``resynced``, ``error``)."""
+        plan, splice = pending.plan, pending.splice
+        modes = [d.mode for d in plan.directives]
+        splice_prefilled = splice.prefilled if splice else 0
+        prefilled = prompt_tokens - cached_tokens + splice_prefilled
+        return cls(
+            turn=turn,
+            prompt_tokens=prompt_tokens,
+            server_cached_tokens=cached_tokens,
+            prefilled_tokens=prefilled,
+            reused_tokens=max(0, prompt_tokens - prefilled),
+            best_reused_tokens=min(pending.best_reused, prompt_tokens),
+            splice_prefilled_tokens=splice_prefilled,
+            rotated_tokens=splice.rotated if splice else 0,
+            policy_edits=len(plan.edits),
+            directives_amortize=modes.count(Mode.AMORTIZE),
+            directives_forget=modes.count(Mode.FORGET),
+            edited=bool(plan.directives),
+            spliced=splice is not None,
+            splice_error=pending.splice_error,
+            splice_miss_reason=pending.splice_miss_reason,
+            splice_ms=pending.splice_ms,
+            **rest,
+        )
 
 
 @dataclass
@@ -141,3 +179,48 @@ class Totals:
         out["misses_by_reason"] = dict(self.misses_by_reason)
         out["hit_rate"], out["best_hit_rate"] = self.hit_rate, self.best_hit_rate
         return out
+
+
+def best_reused(
+    plan: TurnPlan, held: Sequence[int], reply: Sequence[int] | int | None, *, splice: bool
+) -> int:
+    """An upper bound of a turn's reused tokens (prompt − prefilled) under the session's arm.
+
+    Args:
+        plan: the turn's plan (its tokens, tail, directives and ``base_len``).
+        held: the previous prompt, which the session's namespace holds (empty: first turn, or
+            after a reset).
+        reply: that turn's reply after ``held`` (SGLang caches generated tokens too): its ids
+            (``/generate``), its length (chat: ``usage.completion_tokens``), or None: unknown.
+        splice: the arm sends directives to ``/leyline/splice``.
+
+    ``splice`` with directives: the spliced prefix less the replacements the splice prefills
+    (nothing follows the spliced prefix). Otherwise: the prefix shared with the previous prompt
+    (up to the first directive) and, when that is the whole previous prompt, the reply tokens
+    this prompt continues with: exactly when the reply's ids are known, at most its length
+    otherwise, the rest of the prompt when unknown. Nothing held: 0, or the whole prompt when
+    the reply is unknown (after ``SessionCore.forget`` or a prompt of unknown tokens: the
+    namespace may hold anything).
+
+    NOTE: older sequences of the namespace are taken to extend this prompt no further than the
+    previous one (true while each turn's edits include the previous turn's).
+    """
+    if not held:
+        return len(plan.tokens) if reply is None else 0
+    if splice and plan.directives:
+        replaced = sum(len(d.replacement) for d in plan.directives)
+        return len(plan.tokens) - len(plan.tail) - replaced
+    shared = min((d.start for d in plan.directives), default=plan.base_len)
+    if shared < len(held):
+        return shared
+    rest = plan.tokens[len(held) :]
+    if reply is None:
+        return shared + len(rest)
+    if isinstance(reply, int):
+        return shared + min(reply, len(rest))
+    n = 0
+    for a, b in zip(reply, rest, strict=False):
+        if a != b:
+            break
+        n += 1
+    return shared + n

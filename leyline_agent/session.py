@@ -30,11 +30,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from leyline_agent.accounting import TurnRecord
+from leyline_agent.accounting import TurnRecord, best_reused
 from leyline_agent.backends.sglang.wire import Namespace, SpliceResponse
 from leyline_agent.chat.request import final_assistant, length_error
 from leyline_agent.client import GenerateResult, LeylineClient, SpliceRejected
-from leyline_agent.directive import Mode
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 
 
@@ -188,40 +187,8 @@ class SessionCore:
         return out
 
     def best_reused(self, plan: TurnPlan) -> int:
-        """An upper bound of this turn's reused tokens (prompt − prefilled) under the arm.
-
-        The namespace holds the previous prompt (``wrapper.tokens``) and, after it, that turn's
-        reply (SGLang caches generated tokens too). ``splice`` with directives: the spliced
-        prefix less the replacements the splice prefills (nothing follows the spliced prefix).
-        Otherwise: the prefix shared with the previous prompt (up to the first directive) and,
-        when that is the whole previous prompt, the reply tokens this prompt continues with:
-        exactly when the reply's ids are known (``/generate``), at most its length otherwise,
-        the rest of the prompt when unknown. First turn: 0; after ``forget`` or a prompt of
-        unknown tokens: the whole prompt.
-
-        NOTE: older sequences of the namespace are taken to extend this prompt no further than
-        the previous one (true while each turn's edits include the previous turn's).
-        """
-        held = self.wrapper.tokens
-        if not held:
-            return len(plan.tokens) if self._reply is None else 0
-        if self.splice_enabled and plan.directives:
-            replaced = sum(len(d.replacement) for d in plan.directives)
-            return len(plan.tokens) - len(plan.tail) - replaced
-        shared = min((d.start for d in plan.directives), default=plan.base_len)
-        if shared < len(held):
-            return shared
-        rest = plan.tokens[len(held) :]
-        if self._reply is None:
-            return shared + len(rest)
-        if isinstance(self._reply, int):
-            return shared + min(self._reply, len(rest))
-        n = 0
-        for a, b in zip(self._reply, rest, strict=False):
-            if a != b:
-                break
-            n += 1
-        return shared + n
+        """An upper bound of this turn's reused tokens (``accounting.best_reused``)."""
+        return best_reused(plan, self.wrapper.tokens, self._reply, splice=self.splice_enabled)
 
     def finish(
         self,
@@ -260,26 +227,11 @@ class SessionCore:
                 held, resynced = list(prompt_ids), True
         elif prefilled and error is None and prompt_tokens != len(plan.tokens):
             mismatch, held = True, []  # unknown tokens: the next turn splices nothing
-        modes = [d.mode for d in plan.directives]
-        splice_prefilled = pending.splice.prefilled if pending.splice else 0
-        prefilled_tokens = prompt_tokens - cached_tokens + splice_prefilled
-        record = TurnRecord(
+        record = TurnRecord.of(
+            pending,
             turn=len(self.records),
             prompt_tokens=prompt_tokens,
-            server_cached_tokens=cached_tokens,
-            prefilled_tokens=prefilled_tokens,
-            reused_tokens=max(0, prompt_tokens - prefilled_tokens),
-            best_reused_tokens=min(pending.best_reused, prompt_tokens),
-            splice_prefilled_tokens=splice_prefilled,
-            rotated_tokens=pending.splice.rotated if pending.splice else 0,
-            policy_edits=len(plan.edits),
-            directives_amortize=modes.count(Mode.AMORTIZE),
-            directives_forget=modes.count(Mode.FORGET),
-            edited=bool(plan.directives),
-            spliced=pending.splice is not None,
-            splice_error=pending.splice_error,
-            splice_miss_reason=pending.splice_miss_reason,
-            splice_ms=pending.splice_ms,
+            cached_tokens=cached_tokens,
             request_ms=request_ms,
             ttft_ms=ttft_ms,
             first_token=first_token,
