@@ -33,6 +33,9 @@ SYMBOLS: dict[str, str] = {
     "HookRegistry": "sglang.srt.plugins.hook_registry:HookRegistry",
     "HookType": "sglang.srt.plugins.hook_registry:HookType",
     "get_parallel": "sglang.srt.runtime_context:get_parallel",
+    "init_model_parallel_group": (
+        "sglang.srt.distributed.parallel_state:init_model_parallel_group"
+    ),
     "TokenizerManager": "sglang.srt.managers.tokenizer_manager:TokenizerManager",
     "http_server": "sglang.srt.entrypoints.http_server",
     # radix tree and KV pools

@@ -1,4 +1,4 @@
-"""CPU dev mode: the two patches SGLang 0.5.23 needs to serve a DeepSeek-V2 model without CUDA.
+"""CPU dev mode: the patches SGLang 0.5.23 needs to serve a DeepSeek-V2 model without CUDA.
 
 Only applied by :func:`apply` when the host has no CUDA (``leyline serve`` sets
 ``LEYLINE_CPU_DEV=1`` there). Observed on SGLang 0.5.23 (see ``shared/SGLANG_NOTES.md``):
@@ -11,11 +11,16 @@ Only applied by :func:`apply` when the host has no CUDA (``leyline serve`` sets
    ``[c_kv | k_pe]`` is built for. ``leyline serve`` uses ``leyline_cpu`` (``attention.py``) on
    CPU, which maps its own name the same way when it is built; this mapping keeps
    ``--attention-backend torch_native`` working too.
+3. ``--tp-size`` > 1: SGLang decides "CPU" by ``SGLANG_USE_CPU_ENGINE=1`` (which breaks imports
+   here), so ``init_model_parallel_group`` builds a ``PyNcclCommunicator`` for the TP group and
+   fails ("Expected a cuda device, but got: cpu"). Without pynccl (and custom all-reduce) the
+   group's collectives run on torch.distributed's gloo CPU group.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def enabled() -> bool:
@@ -35,7 +40,24 @@ def register_torch_native_mla_handler() -> None:
     AttentionBackendRegistry.register("torch_native", lambda *args: AttnForwardMethod.MLA)
 
 
+def _no_pynccl(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    kwargs["use_pynccl"] = False
+    kwargs["use_custom_allreduce"] = False
+    return args, kwargs
+
+
+def register_cpu_parallel_groups() -> None:
+    from leyline_agent.backends.sglang.compat import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.distributed.parallel_state.init_model_parallel_group",
+        _no_pynccl,
+        HookType.BEFORE,
+    )
+
+
 def apply() -> None:
-    """Apply both patches (idempotent)."""
+    """Apply the patches (idempotent)."""
     patch_rotary_embedding_is_cpu()
     register_torch_native_mla_handler()
+    register_cpu_parallel_groups()

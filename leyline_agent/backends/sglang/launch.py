@@ -91,8 +91,37 @@ def server_command(
         # than idle cores every op waits on spinning peers (measured: a 4k-row δ-rotation took
         # 200 ms with 2 threads on a loaded 2-core host, 2 ms with 1). Override with the env var.
         env.setdefault("OMP_NUM_THREADS", "1")
+        ranks = cpu_rank_count(extra)
+        if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
     argv += extra
     return argv, env
+
+
+def cpu_rank_count(extra: list[str]) -> int:
+    """Scheduler processes SGLang starts for ``extra``: dp x tp x pp (the last flag wins)."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1}
+    names = {f"--{k}{s}": k for k in sizes for s in ("", "-size")}
+    for i, arg in enumerate(extra):
+        flag, eq, val = arg.partition("=")
+        if flag in names:
+            val = val if eq else (extra[i + 1] if i + 1 < len(extra) else "1")
+            if val.isdigit():
+                sizes[names[flag]] = int(val)
+    return sizes["dp"] * sizes["tp"] * sizes["pp"]
+
+
+def cpu_threads_bind(ranks: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU schedulers: this process's cores cut into
+    one contiguous range per rank (``"0-7|8-15"``; fewer cores than ranks: one core each, shared).
+    SGLang's default binds one NUMA node per rank and refuses more ranks than NUMA nodes."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = cores or list(range(os.cpu_count() or 1))
+    per = len(cores) // ranks
+    if per == 0:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    chunks = [cores[r * per : (r + 1) * per] for r in range(ranks)]
+    return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
 
 
 def free_port() -> int:
