@@ -10,6 +10,14 @@ import pytest
 from requires import require_sglang
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the session's server is ``live`` (tests that start their own server
+    are marked in their module); ``pytest -m 'not live'`` runs the unit tests only."""
+    for item in items:
+        if "leyline_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.live)
+
+
 @pytest.fixture(scope="session")
 def leyline_server() -> Iterator[str]:
     """Base URL of a running ``leyline serve``. Needs the sglang extra (CI installs it)."""

@@ -165,6 +165,7 @@ def test_register_backend_is_idempotent() -> None:
     assert AttentionBackendRegistry.get_handler("leyline_cpu")() == AttnForwardMethod.MLA
 
 
+@pytest.mark.live
 def test_launch_uses_leyline_cpu_on_cpu(tmp_path) -> None:
     from leyline_agent.backends.sglang.launch import server_command
 
@@ -216,6 +217,7 @@ def _greedy_outputs(backend: str) -> list[tuple[list[int], int]]:
     return results
 
 
+@pytest.mark.live
 def test_greedy_tokens_unchanged_end_to_end() -> None:
     """Two real servers, one after the other: the same greedy tokens with either backend."""
     native = _greedy_outputs("torch_native")

@@ -31,7 +31,7 @@ from leyline_agent.bench.fidelity.task import (
     make_cases,
 )
 
-pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.sglang, pytest.mark.live, pytest.mark.timeout(1800)]
 
 TEST_STEPS = 400
 N = 20

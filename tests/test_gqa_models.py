@@ -24,7 +24,7 @@ from leyline_agent.kernels.rope import RopeSpec, inv_freq
 from leyline_agent.testing import model_check
 from leyline_agent.testing.tiny_models import EXPECTED_ROPE, FAMILIES, write_tiny_model
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
 
 def serve(model_dir: Path, *extra: str) -> Iterator[httpx.Client]:

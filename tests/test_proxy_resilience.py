@@ -18,7 +18,7 @@ from test_proxy import serve_proxy
 from leyline_agent.backends.sglang.launch import EmbeddedServer
 from leyline_agent.testing.soak import TOOLS, run_soak, turn_messages
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
 POLICY = "stale_tool_outputs:keep_last=2"
 

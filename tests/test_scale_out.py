@@ -29,7 +29,7 @@ from leyline_agent.testing.soak import TOOLS, turn_messages
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolUnionParam
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
 POLICY = "stale_tool_outputs:keep_last=2"  # edits from the fourth turn on
 TURNS, PER_BACKEND = 5, 3

@@ -22,7 +22,7 @@ from leyline_agent.testing.splice_fuzz import SpliceFuzzer
 
 EMBEDDED_CONFIG = EMBEDDED.to_hf()
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
 LORA = EMBEDDED_CONFIG["kv_lora_rank"]
 SPEC = RopeSpec.from_hf_config(EMBEDDED_CONFIG)
