@@ -1,12 +1,17 @@
 """DP inside one server (``--dp-size``): pinning a namespace to a rank, picking a worker's reply,
-merging stats (``backends/sglang/dp.py``; pure, no server). The live ``--dp-size 2`` test runs when
-``LEYLINE_TEST_DP=1`` (it starts its own two-rank server; see ``docs/scale-out.md``)."""
+merging stats (``backends/sglang/dp.py``; pure, no server), and live against its own
+``leyline serve --dp-size 2`` (8192-token pool per rank; ``-m 'not live'`` skips it)."""
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
+from live import gen, seq
+from requires import require_sglang
 
 from leyline_agent.backends.sglang.dp import (
     NOT_MINE,
@@ -16,6 +21,7 @@ from leyline_agent.backends.sglang.dp import (
     namespace_key,
     pick_reply,
 )
+from leyline_agent.backends.sglang.launch import EmbeddedServer, cpu_rank_count, cpu_threads_bind
 
 
 def test_home_rank_unpinned_without_namespace_or_dp():
@@ -82,3 +88,107 @@ def test_merge_stats():
     assert m["dp_size"] == 2 and m["dp_workers"] == [w0, w1]
     assert merge_stats([w0, {**w1, "ok": False}])["ok"] is False
     assert merge_stats([w0, w0])["ok"] is True
+
+
+def test_cpu_rank_count_and_threads_bind():
+    assert cpu_rank_count([]) == 1
+    assert cpu_rank_count(["--dp-size", "2"]) == 2
+    assert cpu_rank_count(["--tp-size=2", "--dp", "2", "--pp-size", "1"]) == 4
+    assert cpu_rank_count(["--tp-size", "2", "--tp-size", "1"]) == 1  # the last one wins
+    groups = cpu_threads_bind(2).split("|")
+    assert len(groups) == 2 and all(groups)
+    assert len(cpu_threads_bind(64).split("|")) == 64  # more ranks than cores: shared cores
+
+
+# ---- live: one server with --dp-size 2 ---------------------------------------------------------
+
+DIRECTIVES = [{"start": 20, "end": 30, "replacement": [11, 12, 13]}]
+
+
+def edited(base: list[int]) -> list[int]:
+    return base[:20] + [11, 12, 13] + base[30:]
+
+
+def namespace_on(rank: int, tag: str) -> str:
+    return next(k for i in range(1000) if home_rank(k := f"dp-{tag}-{i}", None, 2) == rank)
+
+
+@pytest.fixture(scope="module")
+def dp_server() -> Iterator[str]:
+    require_sglang()
+    srv = EmbeddedServer(
+        max_total_tokens=8192, extra_args=["--dp-size", "2"], env={"LEYLINE_DEBUG_ENDPOINTS": "1"}
+    )
+    with srv:
+        yield srv.url
+
+
+def splice(c: httpx.Client, tokens: list[int], key: str, **extra: Any) -> httpx.Response:
+    return c.post(
+        "/leyline/splice",
+        json={"tokens": tokens, "directives": DIRECTIVES, "extra_key": key, **extra},
+    )
+
+
+@pytest.mark.sglang
+@pytest.mark.live
+def test_dp2_sessions_on_both_ranks_splice(dp_server: str) -> None:
+    c = httpx.Client(base_url=dp_server, timeout=600)
+    base = seq(120, seed=7)
+    keys = {r: namespace_on(r, "s") for r in (0, 1)}
+    for rank, key in keys.items():
+        assert gen(c, base, key)["cached_tokens"] == 0  # pinned to `rank` by the server
+        r = splice(c, base, key)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["in_place"] is True and body["dp_rank"] == rank
+        assert body["cached_before"] == len(base) and body["new_length"] == len(edited(base))
+        meta = gen(c, edited(base) + [500, 501], key, max_new_tokens=4)
+        assert meta["cached_tokens"] == len(edited(base))  # the next request is fully cached
+    # greedy equality with a fresh prefill of the edited prompt
+    ref = namespace_on(1, "ref")
+    outs = []
+    for key in (keys[0], keys[1], ref):
+        r = c.post(
+            "/generate",
+            json={
+                "input_ids": edited(base) + [500, 501],
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                "extra_key": key,
+            },
+        )
+        outs.append(r.json()["output_ids"])
+    assert outs[0] == outs[2] and outs[1] == outs[2]
+    st = c.get("/leyline/stats").json()
+    assert st["dp_size"] == 2 and len(st["dp_workers"]) == 2
+    assert all(w["cached"] > len(base) for w in st["dp_workers"])  # each rank holds its session
+    assert st["duplicate_slots"] == 0 and st["tree_and_free_list"] == 0
+
+
+@pytest.mark.sglang
+@pytest.mark.live
+def test_dp2_wrong_rank_is_not_reported_as_done(dp_server: str) -> None:
+    c = httpx.Client(base_url=dp_server, timeout=600)
+    base = seq(80, seed=11)
+    key = namespace_on(1, "w")
+    gen(c, base, key)
+    wrong = splice(c, base, key, dp_rank=0)
+    assert wrong.status_code == 409, wrong.text  # rank 0 does not hold it, and says so
+    assert splice(c, base, key, dp_rank=2).status_code == 422  # no such rank
+    right = splice(c, base, key)  # nothing was touched: the home rank splices it
+    assert right.status_code == 200 and right.json()["dp_rank"] == 1
+    # a client that pins a request itself names the same rank on its splice
+    key2 = namespace_on(1, "explicit")
+    r = c.post(
+        "/generate",
+        json={
+            "input_ids": base,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "extra_key": key2,
+            "routed_dp_rank": 0,
+        },
+    )
+    assert r.status_code == 200
+    assert splice(c, base, key2).status_code == 409  # not on its home rank
+    r = splice(c, base, key2, dp_rank=0)
+    assert r.status_code == 200 and r.json()["dp_rank"] == 0
