@@ -9,9 +9,11 @@ appends (or drops whole old observations: the window counts back from the newest
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Annotated
 
-from leyline_agent.policies.protocol import Conversation, Edit, check_template
+from pydantic import BaseModel, ConfigDict, Field
+
+from leyline_agent.policies.protocol import Conversation, Edit, template_check
 from leyline_agent.policies.registry import register_policy
 
 DEFAULT_PLACEHOLDER = "Old environment output: ({lines} lines omitted)"
@@ -24,12 +26,9 @@ class ObservationWindow(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     n: int = Field(default=5, ge=0, description="observations kept verbatim")
-    placeholder: str = Field(default=DEFAULT_PLACEHOLDER, description="{lines} = masked lines")
-
-    @field_validator("placeholder")
-    @classmethod
-    def _check_placeholder(cls, v: str) -> str:
-        return check_template(v, lines=1)
+    placeholder: Annotated[str, template_check(lines=1)] = Field(
+        default=DEFAULT_PLACEHOLDER, description="{lines} = masked lines"
+    )
 
     def __call__(self, conversation: Conversation) -> list[Edit]:
         obs = conversation.observations

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from leyline_agent.directive import Mode
 from leyline_agent.messages import is_observation, message_text
@@ -145,3 +145,9 @@ def check_template(text: str, **placeholders: Any) -> str:
         names = ", ".join(f"{{{k}}}" for k in placeholders)
         raise ValueError(f"{text!r} may only use the placeholders {names}: {e}") from e
     return text
+
+
+def template_check(**placeholders: Any) -> AfterValidator:
+    """``check_template(value, **placeholders)`` as a validator of a policy's template parameter
+    (``Annotated[str, template_check(n=1)]``)."""
+    return AfterValidator(lambda text: check_template(text, **placeholders))

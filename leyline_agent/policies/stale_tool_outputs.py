@@ -11,11 +11,11 @@ later turn. Mode AMORTIZE.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from leyline_agent.policies.protocol import Conversation, Edit, check_template
+from leyline_agent.policies.protocol import Conversation, Edit
 from leyline_agent.policies.registry import register_policy
-from leyline_agent.policies.stubs import DEFAULT_STUB, stub_edits
+from leyline_agent.policies.stubs import DEFAULT_STUB, StubTemplate, stub_edits
 
 
 @register_policy("stale_tool_outputs")
@@ -25,12 +25,7 @@ class StaleToolOutputs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     keep_last: int = Field(default=2, ge=0, description="agent steps whose outputs stay verbatim")
-    stub: str = Field(default=DEFAULT_STUB, description="replacement; {n} = outputs it stands for")
-
-    @field_validator("stub")
-    @classmethod
-    def _check_stub(cls, v: str) -> str:
-        return check_template(v, n=1)
+    stub: StubTemplate = DEFAULT_STUB
 
     def __call__(self, conversation: Conversation) -> list[Edit]:
         last_stale = conversation.num_steps - self.keep_last

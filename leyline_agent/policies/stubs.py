@@ -3,10 +3,19 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import Field
+
 from leyline_agent.directive import Mode
-from leyline_agent.policies.protocol import Conversation, Edit
+from leyline_agent.policies.protocol import Conversation, Edit, template_check
 
 DEFAULT_STUB = "[evicted: {n} old tool outputs]"
+
+StubTemplate = Annotated[
+    str, Field(description="replacement; {n} = outputs it stands for"), template_check(n=1)
+]
+"""The ``stub`` parameter of a policy that evicts through ``stub_edits`` (default ``DEFAULT_STUB``)."""
 
 
 def stub_edits(

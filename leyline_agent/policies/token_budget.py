@@ -12,11 +12,11 @@ AMORTIZE.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from leyline_agent.policies.protocol import Conversation, Edit, check_template
+from leyline_agent.policies.protocol import Conversation, Edit
 from leyline_agent.policies.registry import register_policy
-from leyline_agent.policies.stubs import DEFAULT_STUB, stub_edits
+from leyline_agent.policies.stubs import DEFAULT_STUB, StubTemplate, stub_edits
 
 
 @register_policy("token_budget")
@@ -26,12 +26,7 @@ class TokenBudget(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(ge=0, description="budget for the sum of per-message token counts")
-    stub: str = Field(default=DEFAULT_STUB, description="replacement; {n} = outputs it stands for")
-
-    @field_validator("stub")
-    @classmethod
-    def _check_stub(cls, v: str) -> str:
-        return check_template(v, n=1)
+    stub: StubTemplate = DEFAULT_STUB
 
     def __call__(self, conversation: Conversation) -> list[Edit]:
         total = conversation.total_tokens

@@ -14,7 +14,7 @@ requests forwarded, errors, sessions that failed over away from it, live session
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,7 @@ from leyline_agent.accounting import Totals, TurnRecord
 from leyline_agent.proxy.sessions import ProxySession, SessionRegistry
 
 if TYPE_CHECKING:
-    from leyline_agent.proxy.backends import BackendPool
+    from leyline_agent.proxy.backends import Backend, BackendPool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -149,37 +149,19 @@ def render_backends(pool: BackendPool, sessions: Iterable[ProxySession]) -> str:
     on = Counter(s.backend for s in sessions)
     bs = list(pool.backends.values())
 
-    def per(values: Iterable[float]) -> list[tuple[str, float]]:
-        return [(f'{{backend="{_label(b.url)}"}}', v) for b, v in zip(bs, values, strict=True)]
-
-    out = _family(
-        "leyline_proxy_backend_requests_total",
-        "counter",
-        "Chat-completion requests forwarded to the backend.",
-        per(b.requests for b in bs),
-    )
-    out += _family(
-        "leyline_proxy_backend_errors_total",
-        "counter",
-        "Requests to the backend that failed: no connection, a timeout, a 5xx answer.",
-        per(b.errors for b in bs),
-    )
-    out += _family(
-        "leyline_proxy_backend_failovers_total",
-        "counter",
-        "Sessions moved away from the backend while it was down.",
-        per(b.failovers for b in bs),
-    )
-    out += _family(
-        "leyline_proxy_backend_sessions",
-        "gauge",
-        "Live sessions whose KV is on the backend.",
-        per(on[b.url] for b in bs),
-    )
-    out += _family(
-        "leyline_proxy_backend_up",
-        "gauge",
-        "1 while the backend takes sessions (health checks and requests), else 0.",
-        per(int(b.up) for b in bs),
-    )
+    families: tuple[tuple[str, str, str, Callable[[Backend], float]], ...] = (
+        ("requests_total", "counter", "Chat-completion requests forwarded to the backend.",
+         lambda b: b.requests),
+        ("errors_total", "counter", "Requests to the backend that failed: no connection, a "
+         "timeout, a 5xx answer.", lambda b: b.errors),
+        ("failovers_total", "counter", "Sessions moved away from the backend while it was down.",
+         lambda b: b.failovers),
+        ("sessions", "gauge", "Live sessions whose KV is on the backend.", lambda b: on[b.url]),
+        ("up", "gauge", "1 while the backend takes sessions (health checks and requests), else 0.",
+         lambda b: int(b.up)),
+    )  # fmt: skip
+    out: list[str] = []
+    for name, kind, help_, value in families:
+        samples = [(f'{{backend="{_label(b.url)}"}}', value(b)) for b in bs]
+        out += _family(f"leyline_proxy_backend_{name}", kind, help_, samples)
     return "\n".join(out) + "\n"

@@ -75,6 +75,17 @@ _V2_LITE_ROPE = {
     "mscale_all_dim": 0.707,
 }
 
+# DeepSeek-V2-Lite's attention shapes; Moonlight-16B-A3B (the V3 architecture) has the same.
+_V2_LITE_ATTENTION = {
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+
 ARCHS: tuple[Arch, ...] = (
     Arch(
         "DeepSeek-V2-Lite",
@@ -82,13 +93,7 @@ ARCHS: tuple[Arch, ...] = (
         "deepseek_v2",
         "huggingface.co/deepseek-ai/DeepSeek-V2-Lite, config.json",
         {
-            "hidden_size": 2048,
-            "num_attention_heads": 16,
-            "q_lora_rank": None,
-            "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
+            **_V2_LITE_ATTENTION,
             "rope_theta": 10000,
             "rope_scaling": _V2_LITE_ROPE,
             "max_position_embeddings": 163840,
@@ -103,13 +108,7 @@ ARCHS: tuple[Arch, ...] = (
         "deepseek_v3",
         "huggingface.co/moonshotai/Moonlight-16B-A3B, config.json",
         {
-            "hidden_size": 2048,
-            "num_attention_heads": 16,
-            "q_lora_rank": None,
-            "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
+            **_V2_LITE_ATTENTION,
             "rope_theta": 50000,
             "rope_scaling": None,
             "max_position_embeddings": 8192,
