@@ -192,3 +192,57 @@ def test_dp2_wrong_rank_is_not_reported_as_done(dp_server: str) -> None:
     assert splice(c, base, key2).status_code == 409  # not on its home rank
     r = splice(c, base, key2, dp_rank=0)
     assert r.status_code == 200 and r.json()["dp_rank"] == 0
+
+
+@pytest.mark.sglang
+def test_dispatch_answers_not_mine_for_another_rank() -> None:
+    """The scheduler hook (outside a server its DP rank is 0): a splice or inspect for rank 1 is
+    not run here; one for rank 0 or for no rank is."""
+    require_sglang()
+    from sglang.utils import TypeBasedDispatcher
+
+    from leyline_agent.backends.sglang import ipc, plugin
+
+    class StubScheduler:
+        tree_cache = object()
+
+        def __init__(self) -> None:
+            self._request_dispatcher = TypeBasedDispatcher([])
+
+    s = StubScheduler()
+    plugin.add_splice_dispatch(None, s)
+    body = '{"tokens": [1, 2], "directives": [{"start": 0, "end": 1}]}'
+    other = s._request_dispatcher(ipc.SpliceReqInput(payload=body, dp_rank=1))
+    assert (other.status, other.dp_rank) == (NOT_MINE, 0)
+    mine = s._request_dispatcher(ipc.SpliceReqInput(payload=body, dp_rank=0))
+    assert mine.status == 501 and mine.dp_rank == 0  # ran (and refused: not a leyline tree)
+    assert s._request_dispatcher(ipc.SpliceReqInput(payload=body)).status == 501
+    skipped = s._request_dispatcher(ipc.InspectReqInput(payload='{"op": "stats"}', dp_rank=1))
+    assert skipped.status == NOT_MINE
+
+
+def test_pin_to_dp_rank_hook() -> None:
+    from types import SimpleNamespace
+
+    from leyline_agent.backends.sglang.plugin import pin_to_dp_rank
+
+    tm = SimpleNamespace(elastic_worker_count=2)
+    key = namespace_on(1, "hook")
+    obj = SimpleNamespace(
+        routed_dp_rank=None, data_parallel_rank=None, extra_key=key, cache_salt=None
+    )
+    pin_to_dp_rank(tm, obj, None)
+    assert obj.routed_dp_rank == 1
+    mine = SimpleNamespace(routed_dp_rank=0, extra_key=key, cache_salt=None)
+    pin_to_dp_rank(tm, mine)
+    assert mine.routed_dp_rank == 0  # the client's own choice stays
+    plain = SimpleNamespace(routed_dp_rank=None, extra_key=None, cache_salt=None)
+    pin_to_dp_rank(tm, plain)
+    assert plain.routed_dp_rank is None  # no namespace: SGLang balances it
+    batch = SimpleNamespace(routed_dp_rank=None, extra_key=[key, "x"], cache_salt=None)
+    pin_to_dp_rank(tm, batch)
+    assert batch.routed_dp_rank is None
+    one = SimpleNamespace(elastic_worker_count=1)
+    solo = SimpleNamespace(routed_dp_rank=None, extra_key=key, cache_salt=None)
+    pin_to_dp_rank(one, obj=solo)
+    assert solo.routed_dp_rank is None

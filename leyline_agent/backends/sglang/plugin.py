@@ -122,7 +122,10 @@ def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     from leyline_agent.backends.sglang.splice import SpliceExecutor
 
     executor = SpliceExecutor(scheduler)
-    me = int(get_parallel().dp_rank or 0)  # every TP rank of a DP rank runs the same request
+    try:  # every TP rank of a DP rank runs the same request
+        me = int(get_parallel().dp_rank or 0)
+    except (RuntimeError, ValueError):  # not published: outside a server (tests), no DP
+        me = 0
 
     def on_splice(req: p.SpliceReqInput) -> p.SpliceReqOutput:
         if req.dp_rank is not None and req.dp_rank != me:
