@@ -246,3 +246,27 @@ def test_pin_to_dp_rank_hook() -> None:
     solo = SimpleNamespace(routed_dp_rank=None, extra_key=key, cache_salt=None)
     pin_to_dp_rank(one, obj=solo)
     assert solo.routed_dp_rank is None
+
+
+@pytest.mark.sglang
+@pytest.mark.live
+def test_dp2_chat_requests_are_pinned(dp_server: str) -> None:
+    """The OpenAI chat path is pinned too (the proxy's and SessionCore's requests): only the home
+    rank's cache grows."""
+    c = httpx.Client(base_url=dp_server, timeout=600)
+    for rank in (0, 1):
+        key = namespace_on(rank, "chat")
+        before = [w["cached"] for w in c.get("/leyline/stats").json()["dp_workers"]]
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "default",
+                "messages": [{"role": "user", "content": "pin me " * 40}],
+                "max_tokens": 1,
+                "temperature": 0,
+                "extra_key": key,
+            },
+        )
+        assert r.status_code == 200, r.text
+        after = [w["cached"] for w in c.get("/leyline/stats").json()["dp_workers"]]
+        assert after[rank] > before[rank] + 40 and after[1 - rank] == before[1 - rank]
