@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,25 +28,12 @@ import tempfile
 import time
 
 import httpx
+from bench_planning import TOOLS  # the same one-tool (bash) schema as the planning bench
 from openai import OpenAI
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "bash",
-            "description": "Run a shell command.",
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-        },
-    }
-]
+from leyline_agent.backends.sglang.launch import free_port
+
 WORDS = "file line error test module import value return class def self path output".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(argv: list[str], url: str, timeout: float = 600.0) -> subprocess.Popen[bytes]:
