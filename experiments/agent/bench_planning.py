@@ -13,7 +13,8 @@ diff, verification) against the history length, with ``stale_tool_outputs:keep_l
 Columns: the incoming conversation's tokens (``conv tok``), the previous prompt the server holds
 (``history``, after the policy's stubs) and this turn's prompt. Times are the best of
 ``--repeats`` plans of the same turn from the same state (the machine is shared: slower runs
-measure the neighbours), in CPU milliseconds of this process. Every sampled plan of both modes is
+measure the neighbours), in wall-clock milliseconds (what a request waits; the process's CPU time
+would also count the tokenizer's worker threads, which spin while it encodes). Every sampled plan of both modes is
 checked to give the same tokens, spans and directives. The last stdout line is JSON.
 """
 
@@ -93,9 +94,9 @@ def best_of(fn: Callable[[], TurnPlan], before: Callable[[], None], repeats: int
     times, plan = [], None
     for _ in range(repeats):
         before()
-        t0 = time.process_time()
+        t0 = time.perf_counter()
         plan = fn()
-        times.append(time.process_time() - t0)
+        times.append(time.perf_counter() - t0)
     return min(times) * 1000, plan
 
 
