@@ -123,3 +123,89 @@ def test_staged_prefix_overrides_the_tree_path_for_a_prefill() -> None:
     assert tree.prefix_device_indices(Req()).tolist() == [9, 8, 7]
     tree.unstage_prefix(Req.rid)
     assert Req.rid not in tree.staged_prefixes
+
+
+# ---- pins (backends/sglang/pins.py) on the same in-process tree ----
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def pinned_tree(size: int = 256, fraction: float = 0.5) -> tuple[LeylineRadixCache, Clock]:
+    from leyline_agent.backends.sglang.pins import Pins
+
+    tree, clock = make_tree(size), Clock()
+    tree.pins = Pins(tree, max_fraction=fraction, clock=clock)
+    return tree, clock
+
+
+def evict(tree: LeylineRadixCache, n: int) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    tree.evict(EvictParams(num_tokens=n))
+
+
+def test_a_pin_survives_eviction_until_its_ttl_passes() -> None:
+    tree, clock = pinned_tree()
+    put(tree, list(range(40)), "p")
+    put(tree, list(range(500, 540)), "q")
+    pin = tree.pins.pin(match(tree, list(range(40)), "p").last_device_node, 40, 30.0, "s1")
+    assert tree.pins.pinned_slots() == 40 == int(tree.protected_size_)
+    evict(tree, 256)  # everything evictable goes: the unpinned sequence
+    assert int(match(tree, list(range(40)), "p").device_prefix_len) == 40
+    assert int(match(tree, list(range(500, 540)), "q").device_prefix_len) == 0
+    assert tree.check_integrity()["ok"]
+    clock.t += 30.0  # the TTL passes: the next eviction releases the pin first
+    evict(tree, 256)
+    assert int(match(tree, list(range(40)), "p").device_prefix_len) == 0
+    assert len(tree.pins) == 0 and int(tree.protected_size_) == 0
+    assert not tree.pins.unpin(pin.pin_id)  # expired: nothing to release
+    assert tree.check_integrity()["ok"]
+
+
+def test_pin_cap_counts_shared_slots_once_and_refuses_beyond_it() -> None:
+    from leyline_agent.backends.sglang.preflight import SpliceError
+
+    tree, _ = pinned_tree(size=256, fraction=0.5)  # cap 128 slots
+    put(tree, list(range(100)), "p")
+    put(tree, list(range(60)) + list(range(900, 920)), "p")  # shares 60 with the first
+    put(tree, list(range(300, 350)), "p")
+    a = tree.pins.pin(match(tree, list(range(100)), "p").last_device_node, 100, 5.0, "s1")
+    b_node = match(tree, list(range(60)) + list(range(900, 920)), "p").last_device_node
+    tree.pins.pin(b_node, 80, 5.0, "s2")
+    assert tree.pins.pinned_slots() == 120  # 100 + the 20 the second does not share
+    protected = int(tree.protected_size_)
+    with pytest.raises(SpliceError) as e:  # 120 + 50 > 128
+        tree.pins.pin(match(tree, list(range(300, 350)), "p").last_device_node, 50, 5.0, "s3")
+    assert e.value.status == 429
+    assert len(tree.pins) == 2 and int(tree.protected_size_) == protected  # nothing changed
+    assert tree.pins.unpin(a.pin_id)
+    assert tree.pins.pinned_slots() == 80
+    assert tree.pins.release_owner("s2") == 1 and tree.pins.release_owner("s2") == 0
+    assert int(tree.protected_size_) == 0 and tree.check_integrity()["ok"]
+
+
+def test_locks_on_and_release_under_see_only_pins_through_a_node() -> None:
+    tree, _ = pinned_tree()
+    put(tree, list(range(50)), "p")
+    node = match(tree, list(range(50)), "p").last_device_node
+    tree.pins.pin(node, 50, 5.0, None)
+    parent, chain = tree.chain_from(node, 30)  # split: the pin's path now has two nodes
+    assert [tree.pins.locks_on(n) for n in chain] == [1] * len(chain)
+    assert tree.pins.locks_on(parent) == 1
+    put(tree, list(range(100, 110)), "p")
+    assert tree.pins.locks_on(match(tree, list(range(100, 110)), "p").last_device_node) == 0
+    assert tree.pins.release_under(set(tree.subtree_nodes(chain[0]))) == 1
+    assert int(tree.protected_size_) == 0 and tree.check_integrity()["ok"]
+
+
+def test_reset_drops_every_pin() -> None:
+    tree, _ = pinned_tree()
+    put(tree, list(range(20)), "p")
+    tree.pins.pin(match(tree, list(range(20)), "p").last_device_node, 20, 5.0, None)
+    tree.reset()  # the scheduler's flush_cache also resets the allocator; the tree is empty
+    assert len(tree.pins) == 0 and tree.pins.pinned_slots() == 0
+    assert int(tree.protected_size_) == 0 and not tree.root_node.children

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leyline_agent.backends.sglang.plan import (
+    Copy,
     Keep,
     Op,
     Prefill,
@@ -48,7 +49,7 @@ def splices(draw: st.DrawFn) -> tuple[list[int], list[Directive], bool]:
 def apply_ops(tokens: list[int], ops: tuple[Op, ...]) -> list[int]:
     out: list[int] = []
     for op in ops:
-        if isinstance(op, (Keep, Rotate)):
+        if isinstance(op, (Keep, Copy, Rotate)):
             out += [tokens[i] for i in op.old]
         elif isinstance(op, (Prefill, PrefillFrom)):
             out += op.tokens
@@ -205,3 +206,28 @@ def test_examples() -> None:
     assert not plan.in_place and plan.needed_slots == 8
     with pytest.raises(ValueError, match="at least one"):
         plan_splice(toks, [], in_place=False)
+
+
+@settings(max_examples=400, deadline=None)
+@given(splices())
+def test_across_namespaces_every_position_is_a_fresh_slot(case) -> None:
+    """``copy_prefix`` (a splice into another namespace): the same ops with the prefix copied,
+    nothing in place, and every new position needs a fresh slot (no slot shared with the
+    source namespace)."""
+    tokens, ordered, in_place = case
+    same = plan_splice(tokens, ordered, in_place=False)
+    plan = plan_splice(tokens, ordered, in_place=in_place, copy_prefix=True)
+    assert plan.new_tokens == same.new_tokens == naive_edit(tokens, ordered)
+    assert apply_ops(tokens, plan.ops) == plan.new_tokens
+    assert isinstance(plan.ops[0], Copy) and plan.ops[0].old == range(plan.first)
+    assert plan.ops[1:] == same.ops[1:] and not plan.in_place and plan.tail is None
+    assert plan.needed_slots == len(plan.new_tokens)
+    assert plan.copied_prefix == plan.first
+
+
+def test_a_fork_is_one_copy_of_the_whole_sequence() -> None:
+    plan = plan_splice([5, 6, 7], [], in_place=True, copy_prefix=True)
+    assert plan.ops == (Copy(range(3)),) and plan.new_tokens == [5, 6, 7]
+    assert plan.needed_slots == 3 and plan.first == 3 and plan.forget_at is None
+    with pytest.raises(ValueError):
+        plan_splice([5, 6, 7], [], in_place=False)

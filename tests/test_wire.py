@@ -50,3 +50,41 @@ def test_wire_and_plan_import_without_sglang_or_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_target_namespace_of_a_splice() -> None:
+    body = {"tokens": [1, 2], "directives": [{"start": 0, "end": 1}], "cache_salt": "t"}
+    same = SpliceRequest.model_validate({**body, "extra_key": "a"})
+    assert not same.crosses and same.target == Namespace("a", "t")
+    equal = SpliceRequest.model_validate({**body, "extra_key": "a", "target_extra_key": "a"})
+    assert not equal.crosses and equal.target == Namespace("a", "t")
+    other = SpliceRequest.model_validate({**body, "extra_key": "a", "target_extra_key": "b"})
+    assert other.crosses and other.target == Namespace("b", "t")
+    from_default = SpliceRequest.model_validate({**body, "target_extra_key": "b"})
+    assert from_default.crosses and from_default.namespace == Namespace(None, "t")
+
+
+def test_fork_pin_unpin_bodies_are_checked() -> None:
+    from leyline_agent.backends.sglang.wire import ForkRequest, PinRequest, UnpinRequest
+
+    fork = ForkRequest.model_validate({"tokens": [1, 2], "extra_key": "a", "target_extra_key": "b"})
+    as_splice = fork.as_splice()
+    assert as_splice.directives == [] and as_splice.crosses and as_splice.tokens == [1, 2]
+    for bad in (
+        {"tokens": [1], "extra_key": "a", "target_extra_key": "a"},  # a fork copies
+        {"tokens": [], "target_extra_key": "b"},
+        {"tokens": [1]},  # no target
+        {"tokens": [1], "target_extra_key": "b", "directives": []},  # unknown field
+    ):
+        with pytest.raises(ValidationError):
+            ForkRequest.model_validate(bad)
+    assert PinRequest.model_validate({"tokens": [1], "ttl_s": 86400}).ttl_s == 86400
+    for ttl in (0, -1, 86400.5, "soon"):
+        with pytest.raises(ValidationError):
+            PinRequest.model_validate({"tokens": [1], "ttl_s": ttl})
+    with pytest.raises(ValidationError):
+        PinRequest.model_validate({"tokens": [1]})  # a pin needs its TTL
+    assert UnpinRequest.model_validate({"owner": "s"}).pin_id is None
+    for bad in ({}, {"pin_id": "p0-x", "owner": "s"}):
+        with pytest.raises(ValidationError, match="exactly one"):
+            UnpinRequest.model_validate(bad)

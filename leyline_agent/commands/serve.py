@@ -38,6 +38,15 @@ def serve(
         int | None,
         typer.Option(help=f"Requests in flight (default {CPU_MAX_RUNNING_REQUESTS} on CPU)."),
     ] = None,
+    max_pinned_fraction: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Most of the KV pool that pins (POST /leyline/pin) may hold; a pin beyond it "
+            "gets 429 (default 0.5).",
+        ),
+    ] = None,
     dummy: Annotated[
         bool | None,
         typer.Option(
@@ -89,6 +98,7 @@ def serve(
     argv, env = server_command(
         model_path, port=port, host=host, dummy=dummy, dtype=dtype,
         max_total_tokens=max_total_tokens, extra=extra, cpu=cpu, api_key=api_key or None,
+        max_pinned_fraction=max_pinned_fraction,
     )  # fmt: skip
     if dry_run:
         typer.echo(" ".join("***" if api_key and a == api_key else a for a in argv))

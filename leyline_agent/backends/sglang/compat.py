@@ -46,6 +46,7 @@ SYMBOLS: dict[str, str] = {
     "MatchResult": "sglang.srt.mem_cache.base_prefix_cache:MatchResult",
     "InsertParams": "sglang.srt.mem_cache.base_prefix_cache:InsertParams",
     "InsertResult": "sglang.srt.mem_cache.base_prefix_cache:InsertResult",
+    "EvictParams": "sglang.srt.mem_cache.base_prefix_cache:EvictParams",
     "register_radix_cache_backend": "sglang.srt.mem_cache.registry:register_radix_cache_backend",
     "registered_radix_cache_backends": (
         "sglang.srt.mem_cache.registry:registered_radix_cache_backends"
@@ -102,7 +103,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "Scheduler": (
         "_request_dispatcher", "init_request_dispatcher", "tree_cache", "token_to_kv_pool_allocator",
         "req_to_token_pool", "model_config", "tp_worker", "run_batch", "running_batch",
-        "waiting_queue", "spec_algorithm",
+        "waiting_queue", "spec_algorithm", "get_next_batch_to_run",
     ),
     "tokenizer_control_mixin": ("_COMMUNICATOR_SPECS",),
     "http_server": ("app", "get_global_state"),
@@ -111,7 +112,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "_split_node", "_update_leaf_status", "evictable_size_", "protected_size_",
         "evictable_leaves", "kv_events", "root_node", "page_size", "device",
         "token_to_kv_pool_allocator", "match_prefix", "insert", "inc_lock_ref", "dec_lock_ref",
-        "path_device_indices", "prefix_device_indices", "evictable_size",
+        "path_device_indices", "prefix_device_indices", "evictable_size", "evict", "reset",
     ),
     "TreeNode": ("children", "parent", "key", "value", "lock_ref"),
     "MatchResult": ("device_prefix_len", "last_device_node"),

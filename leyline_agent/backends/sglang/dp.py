@@ -80,7 +80,7 @@ def pick_reply(replies: Sequence[Reply], target: int | None) -> Reply:
 
 _SUMMED = (
     "free", "cached", "in_use", "total", "evictable", "protected",
-    "duplicate_slots", "tree_and_free_list",
+    "duplicate_slots", "tree_and_free_list", "pins", "pinned_slots",
 )  # fmt: skip
 _ALL = ("idle", "sglang_idle_check")
 

@@ -24,6 +24,9 @@ def handle_inspect(served: Served, payload: str) -> tuple[int, str]:
         req = json.loads(payload)
         op = req.get("op")
         if op == "stats":
+            pins = getattr(served.scheduler.tree_cache, "pins", None)
+            if pins is not None:
+                pins.expire()
             return 200, json.dumps(integrity.stats(served.scheduler))
         if not debug_enabled():
             return 403, json.dumps({"error": "debug endpoints are disabled"})

@@ -5,7 +5,8 @@ the server is idle (no running or waiting request) it requires:
 
 - ``free + cached == total`` (nothing held by a request row, nothing leaked);
 - no slot owned twice: not by two tree nodes, not by the tree and the free list;
-- ``evictable + protected == cached``, and ``protected == 0`` (no lock left behind);
+- ``evictable + protected == cached``, and ``protected == pinned_slots`` (no lock left behind but
+  the pins', ``pins.py``);
 - SGLang's own idle check (``scheduler_components/invariant_checker.py``):
   ``available + evictable + protected == total``.
 """
@@ -57,10 +58,16 @@ def stats(scheduler: Scheduler) -> dict[str, Any]:
         "tree_and_free_list": dup_free,
         "idle": idle,
         "sglang_idle_check": int(alloc.available_size()) + evictable + protected == total,
+        **tree.pins.stats(),
     }
     structural = dup_tree == 0 and dup_free == 0 and evictable + protected == cached
     if idle:
-        out["ok"] = structural and in_use == 0 and protected == 0 and out["sglang_idle_check"]
+        out["ok"] = (
+            structural
+            and in_use == 0
+            and protected == out["pinned_slots"]
+            and out["sglang_idle_check"]
+        )
     else:
         out["ok"] = None if structural else False
     return out

@@ -1,7 +1,7 @@
 """The scheduler IPC pairs of the Leyline control requests (msgspec ``BaseReq`` subclasses, as
 SGLang's own in ``sglang/srt/managers/io_struct.py``).
 
-The payload is JSON text: the splice body the HTTP process validated (``wire.SpliceRequest``), so
+The payload is JSON text: the body the HTTP process validated (``wire.SpliceRequest``, ...), so
 the scheduler re-parses exactly what was accepted; the reply is an HTTP status and a JSON body.
 """
 
@@ -15,10 +15,12 @@ from leyline_agent.backends.sglang.compat import BaseReq
 
 
 class SpliceReqInput(BaseReq, kw_only=True):  # type: ignore[call-arg]
-    """``dp_rank``: with ``--dp-size`` > 1 the one DP rank that runs it (the others answer
-    ``dp.NOT_MINE``); None: every rank runs it (``dp.pick_reply`` chooses the reply)."""
+    """``op``: splice, fork, pin or unpin (``SpliceExecutor.handle``). ``dp_rank``: with
+    ``--dp-size`` > 1 the one DP rank that runs it (the others answer ``dp.NOT_MINE``); None:
+    every rank runs it (``dp.pick_reply`` chooses the reply)."""
 
     payload: str
+    op: str = "splice"
     dp_rank: int | None = None
 
 

@@ -26,6 +26,8 @@ from types import TracebackType
 
 import httpx
 
+from leyline_agent.backends.sglang.pins import ENV_MAX_PINNED_FRACTION
+
 # NOTE: two embedded-model contexts (131,072 tokens each, embedded/model.py); an MLA row of the
 # embedded model is (64 + 16) x 2 bytes x 2 layers = 320 bytes, so the pool is about 80 MiB.
 DEFAULT_MAX_TOTAL_TOKENS = 262144
@@ -53,8 +55,12 @@ def server_command(
     extra: list[str],
     cpu: bool,
     api_key: str | None = None,
+    max_pinned_fraction: float | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The ``python -m sglang.launch_server`` argv and the environment to run it with.
+
+    ``max_pinned_fraction``: the cap on pinned KV (``pins.py``), passed to the schedulers as
+    ``LEYLINE_MAX_PINNED_FRACTION``.
 
     ``api_key``: SGLang's ``--api-key``: every route (the plugin's ``/leyline/*`` included) but
     ``/health*``, ``/ready*`` and ``/metrics*`` then needs ``Authorization: Bearer <key>``.
@@ -78,6 +84,8 @@ def server_command(
     if api_key:
         argv += ["--api-key", api_key]
     env = dict(os.environ)
+    if max_pinned_fraction is not None:
+        env[ENV_MAX_PINNED_FRACTION] = str(max_pinned_fraction)
     if cpu:
         argv += [
             "--device", "cpu",

@@ -6,6 +6,8 @@ Ops, in new-sequence order (``new`` ranges are positions of the edited sequence,
 positions of the cached one; see the region table at the top of ``splice.py``)::
 
     Keep(old)                    prefix [0, d_0.start): tree-owned slots reused as they are
+    Copy(old)                    the same prefix copied to fresh slots as it is (a splice into
+                                 another namespace, a fork: no slot is shared across namespaces)
     Prefill(new, tokens)         a replacement, prefilled attending to new[:new.start]
     Rotate(old, delta, in_place) a middle or the tail: copied to fresh slots and δ-rotated, or
                                  (the tail only) rotated in place once the commit detached it
@@ -16,6 +18,9 @@ positions of the cached one; see the region table at the top of ``splice.py``)::
 Every op but ``Purge`` fills the next stretch of the new sequence, so they tile
 ``[0, len(new_tokens))``. ``needed_slots`` is how many fresh slots that takes: every position
 that is neither a ``Keep`` nor an in-place ``Rotate``.
+
+A splice into another namespace (``copy_prefix``) copies instead of keeping and never works in
+place; a fork is that with no directive (one ``Copy`` of the whole sequence).
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ from leyline_agent.directive import Directive, Mode, plan_edit
 
 
 class Keep(NamedTuple):
+    old: range  # also the new positions (the prefix does not move)
+
+    @property
+    def new(self) -> range:
+        return self.old
+
+
+class Copy(NamedTuple):
     old: range  # also the new positions (the prefix does not move)
 
     @property
@@ -60,7 +73,7 @@ class Purge(NamedTuple):
     old: int  # purge the path's nodes from this old position on (and their subtrees)
 
 
-Op = Keep | Prefill | Rotate | PrefillFrom | Purge
+Op = Keep | Copy | Prefill | Rotate | PrefillFrom | Purge
 
 
 @dataclass(frozen=True)
@@ -78,7 +91,11 @@ class SplicePlan:
     @property
     def needed_slots(self) -> int:
         """Fresh slots the splice allocates: new positions not backed by a kept slot."""
-        return self.prefilled + self.copied
+        return self.prefilled + self.copied + self.copied_prefix
+
+    @property
+    def copied_prefix(self) -> int:
+        return sum(len(op.old) for op in self.ops if isinstance(op, Copy))
 
     @property
     def prefilled(self) -> int:
@@ -108,28 +125,35 @@ def forget_start(ordered: Sequence[Directive]) -> int | None:
 
 
 def plan_splice(
-    tokens: Sequence[int], ordered: Sequence[Directive], *, in_place: bool
+    tokens: Sequence[int],
+    ordered: Sequence[Directive],
+    *,
+    in_place: bool,
+    copy_prefix: bool = False,
 ) -> SplicePlan:
     """Plan a splice of the cached ``tokens`` (all cached) with ``ordered`` directives
-    (``sort_and_check``'s output, at least one).
+    (``sort_and_check``'s output, at least one unless ``copy_prefix``).
 
     ``in_place``: the tree says this path alone owns the chain from the first directive on (and
     the unshared extension below it); it only matters without FORGET, which always copies.
     AMORTIZE directives at or after ``forget_at`` are part of the re-prefill.
+    ``copy_prefix``: the new sequence goes into another namespace: the prefix is copied, nothing
+    is taken in place; with no directive, the plan is a fork (the whole sequence copied).
 
     Raises:
         DirectiveError: as ``plan_edit`` (overlap, a directive past the sequence).
-        ValueError: no directives.
+        ValueError: no directives (and not ``copy_prefix``).
     """
-    if not ordered:
+    if not ordered and not copy_prefix:
         raise ValueError("a splice needs at least one directive")
-    new_tokens = plan_edit(tokens, ordered).new_tokens
+    new_tokens = plan_edit(tokens, ordered).new_tokens if ordered else list(tokens)
     cached = len(tokens)
     forget_at = forget_start(ordered)
     amortized = [d for d in ordered if forget_at is None or d.start < forget_at]
     stop = cached if forget_at is None else forget_at  # old positions the AMORTIZE part covers
-    tail_in_place = in_place and forget_at is None
-    keep = Keep(range(0, amortized[0].start if amortized else stop))
+    tail_in_place = in_place and forget_at is None and not copy_prefix
+    prefix = range(0, amortized[0].start if amortized else stop)
+    keep: Keep | Copy = Copy(prefix) if copy_prefix else Keep(prefix)
     ops: list[Op] = [keep]
     pos = len(keep.old)  # next new position
     acc = 0
@@ -149,7 +173,7 @@ def plan_splice(
     return SplicePlan(
         ops=tuple(ops),
         new_tokens=new_tokens,
-        first=ordered[0].start,
+        first=ordered[0].start if ordered else cached,
         forget_at=forget_at,
         in_place=tail_in_place,
     )

@@ -7,12 +7,15 @@ detokenizer), then applies the hooks. Each hook is small and named for what it c
 - ``register_attention_backend``: ``--attention-backend leyline_cpu`` (``attention.py``; the name
   joins the argparse choices, which ``launch_server`` parses after ``load_plugins()``).
 - ``add_splice_dispatch`` (AFTER ``Scheduler.init_request_dispatcher``): the scheduler answers
-  ``SpliceReqInput`` / ``InspectReqInput`` between batches.
+  ``SpliceReqInput`` (splice, fork, pin, unpin) / ``InspectReqInput`` between batches.
+- ``expire_pins`` (BEFORE ``Scheduler.get_next_batch_to_run``): pins past their TTL are released
+  at the top of every scheduler iteration (``pins.py``).
 - ``pin_to_dp_rank`` (BEFORE ``TokenizerManager.generate_request``): with ``--dp-size`` > 1 a
   request with a cache namespace goes to that namespace's home DP rank (``dp.py``).
 - ``add_communicators``: the tokenizer manager gets ``leyline_splice_communicator`` and
   ``leyline_inspect_communicator`` (``_COMMUNICATOR_SPECS``, read when it is built).
-- ``add_http_routes`` (main process only): ``POST /leyline/splice``, ``GET /leyline/stats``, and
+- ``add_http_routes`` (main process only): ``POST /leyline/splice``, ``/leyline/fork``,
+  ``/leyline/pin``, ``/leyline/unpin``, ``GET /leyline/stats``, and
   with ``LEYLINE_DEBUG_ENDPOINTS=1`` ``POST /leyline/debug/inspect`` (KV rows, for tests).
 - ``cpu_dev.apply`` when ``LEYLINE_CPU_DEV=1``.
 
@@ -46,6 +49,11 @@ def register() -> None:
         "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
         add_splice_dispatch,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        expire_pins,
+        HookType.BEFORE,
     )
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
@@ -113,6 +121,14 @@ def pin_to_dp_rank(tm: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
+def expire_pins(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook, every scheduler iteration: release the pins whose TTL has passed, so that
+    admission control sees their room (``pins.py``)."""
+    pins = getattr(scheduler.tree_cache, "pins", None)
+    if pins is not None:
+        pins.expire()
+
+
 def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER hook: route Leyline control requests to this scheduler's executor."""
     from leyline_agent.backends.sglang import ipc as p
@@ -126,11 +142,14 @@ def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         me = int(get_parallel().dp_rank or 0)
     except (RuntimeError, ValueError):  # not published: outside a server (tests), no DP
         me = 0
+    pins = getattr(scheduler.tree_cache, "pins", None)
+    if pins is not None:
+        pins.prefix = f"p{me}"  # pin ids name their DP rank (routes.unpin routes by it)
 
     def on_splice(req: p.SpliceReqInput) -> p.SpliceReqOutput:
         if req.dp_rank is not None and req.dp_rank != me:
             return p.SpliceReqOutput(status=NOT_MINE, body="{}", dp_rank=me)
-        status, body = executor.handle(req.payload)
+        status, body = executor.handle(req.payload, getattr(req, "op", "splice"))
         return p.SpliceReqOutput(status=status, body=body, dp_rank=me)
 
     def on_inspect(req: p.InspectReqInput) -> p.InspectReqOutput:

@@ -10,6 +10,7 @@ nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from leyline_agent.backends.sglang.kv_layout import (
@@ -20,7 +21,7 @@ from leyline_agent.backends.sglang.kv_layout import (
 )
 from leyline_agent.backends.sglang.radix import LeylineRadixCache
 from leyline_agent.backends.sglang.served_rope import served_model, served_rope
-from leyline_agent.backends.sglang.wire import SpliceRequest
+from leyline_agent.backends.sglang.wire import PinRequest, SpliceRequest
 from leyline_agent.kernels.rope import RopeBand, RopeSpec
 
 if TYPE_CHECKING:
@@ -93,19 +94,22 @@ class Served:
         tree = self.tree
         self.kv_buffers()
         self.rope_spec()
-        vocab = self.scheduler.model_config.vocab_size
-        for name, ids in [("tokens", req.tokens)] + [
-            (f"directives[{i}].replacement", d.replacement) for i, d in enumerate(req.directives)
-        ]:
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise SpliceError(400, f"{name}: token ids out of range [0, {vocab}): {bad[:5]}")
+        self.check_tokens(req.tokens)
+        for i, d in enumerate(req.directives):
+            self.check_tokens(d.replacement, f"directives[{i}].replacement")
         if self.scheduler.req_to_token_pool.available_size() < 1:
             raise SpliceError(503, "no free request slot for the replacement prefill; retry")
         return tree
 
+    def check_tokens(self, ids: Sequence[int], name: str = "tokens") -> None:
+        """400 for token ids outside the vocabulary (they would crash SGLang's scheduler)."""
+        vocab = self.scheduler.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise SpliceError(400, f"{name}: token ids out of range [0, {vocab}): {bad[:5]}")
 
-def check_cached(req: SpliceRequest, cached: int) -> None:
+
+def check_cached(req: SpliceRequest | PinRequest, cached: int) -> None:
     """409 unless all of ``req.tokens`` is cached in the request's namespace."""
     if cached < len(req.tokens):
         raise SpliceError(
@@ -120,13 +124,14 @@ def check_cached(req: SpliceRequest, cached: int) -> None:
 def check_forget_span(
     tree: LeylineRadixCache, last_node: TreeNode, forget_at: int, ledger: Ledger
 ) -> None:
-    """409 while a running request (a lock other than the splice's own) holds the span FORGET
-    would purge."""
+    """409 while a running request (a lock other than the splice's own or a pin's, which the
+    FORGET releases) holds the span FORGET would purge."""
     _, f_chain = tree.chain_from(last_node, forget_at)
     if not f_chain:
         return
     ours = ledger.locked_path()
-    if any(n.lock_ref > (1 if n in ours else 0) for n in tree.subtree_nodes(f_chain[0])):
+    nodes = tree.subtree_nodes(f_chain[0])
+    if any(n.lock_ref > (1 if n in ours else 0) + tree.pins.locks_on(n) for n in nodes):
         raise SpliceError(409, "FORGET: a running request still uses the span to purge; retry")
 
 

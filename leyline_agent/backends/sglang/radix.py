@@ -1,6 +1,6 @@
 """The Leyline radix-cache backend: SGLang's Python ``RadixCache`` plus the tree surgery a splice
 needs (detach a suffix chain without freeing it, purge a subtree, a staged prefix for the
-replacement prefill, an integrity check).
+replacement prefill, an integrity check), and the pins (``pins.py``: expired before each eviction).
 
 Registered as ``--radix-cache-backend leyline`` through
 ``sglang.srt.mem_cache.registry.register_radix_cache_backend``. It keeps SGLang's own node and key
@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from leyline_agent.backends.sglang.compat import RadixCache, TreeNode
+from leyline_agent.backends.sglang.pins import Pins
 
 if TYPE_CHECKING:
-    from leyline_agent.backends.sglang.compat import Req, TreeCacheBuildContext
+    from leyline_agent.backends.sglang.compat import EvictParams, Req, TreeCacheBuildContext
 
 BACKEND_NAME = "leyline"
 
@@ -34,6 +35,19 @@ class LeylineRadixCache(RadixCache):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.staged_prefixes: dict[str, torch.Tensor] = {}  # rid -> prefix slots (int64)
         super().__init__(*args, **kwargs)
+        self.pins = Pins(self)
+
+    def reset(self) -> None:
+        """SGLang's reset (``/flush_cache``): every node goes, so every pin goes with it."""
+        pins = getattr(self, "pins", None)
+        if pins is not None:
+            pins.pins.clear()
+        super().reset()
+
+    def evict(self, params: EvictParams) -> Any:
+        """SGLang's LRU eviction, after releasing the pins whose TTL has passed."""
+        self.pins.expire()
+        return super().evict(params)
 
     # ---- the replacement prefill reads its prefix from here, not from a tree path ----
     def stage_prefix(self, rid: str, slots: torch.Tensor) -> None:

@@ -6,15 +6,21 @@ registration time.
 
 import json
 import os
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from leyline_agent.backends.sglang.compat import http_server
 from leyline_agent.backends.sglang.dp import Reply, home_rank, merge_stats, pick_reply
 from leyline_agent.backends.sglang.ipc import InspectReqInput, SpliceReqInput
-from leyline_agent.backends.sglang.wire import SpliceRequest
+from leyline_agent.backends.sglang.wire import (
+    ForkRequest,
+    PinRequest,
+    SpliceRequest,
+    UnpinRequest,
+)
 
 
 def _tokenizer_manager():
@@ -33,29 +39,71 @@ def _bad_rank(rank: int | None, dp_size: int) -> JSONResponse | None:
     return JSONResponse({"error": f"dp_rank {rank} out of range [0, {dp_size})"}, status_code=422)
 
 
-async def splice(request: Request) -> JSONResponse:
-    """Execute AMORTIZE / FORGET directives on a cached sequence (body: ``SpliceRequest``)."""
+async def _control(request: Request, op: str, model: type[BaseModel]) -> JSONResponse:
+    """Validate the body (422), pick the DP rank, run ``op`` in the scheduler, answer its reply."""
     raw = await request.body()
     try:
-        body = SpliceRequest.model_validate_json(raw)
+        body: Any = model.model_validate_json(raw)
     except ValidationError as e:
         detail = json.loads(e.json(include_url=False))
-        return JSONResponse({"error": "invalid splice request", "detail": detail}, status_code=422)
+        return JSONResponse({"error": f"invalid {op} request", "detail": detail}, status_code=422)
     tm = _tokenizer_manager()
     n = _dp_size(tm)
     # DP: the rank that holds the namespace (dp.py); every worker answers, replies in any order
-    target = (
-        body.dp_rank if body.dp_rank is not None else home_rank(body.extra_key, body.cache_salt, n)
-    )
+    if op == "unpin":
+        target = body.dp_rank
+        if target is None and body.pin_id is not None and n > 1:
+            rank = body.pin_id.partition("-")[0].removeprefix("p")
+            target = int(rank) if rank.isdigit() else None
+    else:
+        target = body.dp_rank
+        if target is None:
+            target = home_rank(body.extra_key, body.cache_salt, n)
+        dst = getattr(body, "target_extra_key", None)
+        if n > 1 and dst is not None and body.dp_rank is None:
+            if home_rank(dst, body.cache_salt, n) != target:
+                return JSONResponse(
+                    {
+                        "error": f"{op} across DP ranks is not supported: namespace {dst!r} "
+                        f"lives on another DP rank than {body.extra_key!r}"
+                    },
+                    status_code=501,
+                )
     if (bad := _bad_rank(target, n)) is not None:
         return bad
-    req = SpliceReqInput(payload=body.model_dump_json(), dp_rank=target)
+    req = SpliceReqInput(payload=body.model_dump_json(), op=op, dp_rank=target)
     outs = await tm.leyline_splice_communicator(req)
+    if op == "unpin" and target is None and len(outs) > 1:  # by owner: every rank releases
+        bodies = [json.loads(o.body) for o in outs if o.status == 200]
+        if len(bodies) == len(outs):
+            return JSONResponse(
+                {k: sum(b[k] for b in bodies) for k in ("released", "pinned_slots")}
+            )
     out = pick_reply([Reply(o.dp_rank, o.status, o.body) for o in outs], target)
     result = json.loads(out.body)
     if n > 1 and isinstance(result, dict):
         result["dp_rank"] = out.dp_rank
     return JSONResponse(result, status_code=out.status)
+
+
+async def splice(request: Request) -> JSONResponse:
+    """Execute AMORTIZE / FORGET directives on a cached sequence (body: ``SpliceRequest``)."""
+    return await _control(request, "splice", SpliceRequest)
+
+
+async def fork(request: Request) -> JSONResponse:
+    """Copy a cached sequence's KV into another namespace (body: ``ForkRequest``)."""
+    return await _control(request, "fork", ForkRequest)
+
+
+async def pin(request: Request) -> JSONResponse:
+    """Keep a cached prefix resident for a TTL (body: ``PinRequest``)."""
+    return await _control(request, "pin", PinRequest)
+
+
+async def unpin(request: Request) -> JSONResponse:
+    """Release a pin, or every pin of an owner (body: ``UnpinRequest``)."""
+    return await _control(request, "unpin", UnpinRequest)
 
 
 async def _inspect(payload: dict) -> JSONResponse:
@@ -96,6 +144,9 @@ def add_routes() -> None:
     if any(getattr(r, "path", None) == "/leyline/splice" for r in http_server.app.routes):
         return
     http_server.app.add_api_route("/leyline/splice", splice, methods=["POST"])
+    http_server.app.add_api_route("/leyline/fork", fork, methods=["POST"])
+    http_server.app.add_api_route("/leyline/pin", pin, methods=["POST"])
+    http_server.app.add_api_route("/leyline/unpin", unpin, methods=["POST"])
     http_server.app.add_api_route("/leyline/stats", stats, methods=["GET"])
     if os.environ.get("LEYLINE_DEBUG_ENDPOINTS") == "1":
         http_server.app.add_api_route("/leyline/debug/inspect", debug_inspect, methods=["POST"])

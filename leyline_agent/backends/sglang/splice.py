@@ -16,9 +16,15 @@ length ``L`` (old coordinates on the left, what the new sequence gets on the rig
 
 ``plan.py`` turns the directives into these regions (ops); this module executes them.
 
+Across namespaces (``target_extra_key``: the session's private namespace, ``tokens`` matched in the
+tenant's shared one): the prefix is copied to fresh slots (no prefill), nothing is taken in place,
+the source path stays as it was, and the new sequence is inserted in the target namespace. A fork
+is that with no directive: the whole sequence copied.
+
 FORGET from position ``f`` (the first FORGET directive): AMORTIZE directives before ``f`` are
 spliced as above; everything of the new sequence from ``f`` on is re-prefilled, and every tree
-node that held an old position ``>= f`` on this path (and its subtree) is purged.
+node that held an old position ``>= f`` on this path (and its subtree) is purged, and the pins
+(``pins.py``) that end in it are released.
 
 Ownership and eviction (the pool is full in production, so every allocation below may evict any
 unlocked tree node):
@@ -46,13 +52,14 @@ import json
 import logging
 import time
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from leyline_agent.backends.sglang.ledger import FaultInjector, InjectedFault, Ledger, Timer
 from leyline_agent.backends.sglang.plan import (
+    Copy,
     Keep,
     Prefill,
     PrefillFrom,
@@ -69,7 +76,16 @@ from leyline_agent.backends.sglang.preflight import (
     check_forget_span,
     debug_enabled,
 )
-from leyline_agent.backends.sglang.wire import SpliceRequest, SpliceResponse
+from leyline_agent.backends.sglang.wire import (
+    ForkRequest,
+    ForkResponse,
+    PinRequest,
+    PinResponse,
+    SpliceRequest,
+    SpliceResponse,
+    UnpinRequest,
+    UnpinResult,
+)
 from leyline_agent.directive import DirectiveError, sort_and_check
 
 if TYPE_CHECKING:
@@ -85,14 +101,26 @@ class SpliceExecutor:
         self.scheduler = scheduler
         self.served = Served(scheduler)
 
-    def handle(self, payload: str) -> tuple[int, str]:
-        """Returns ``(http_status, json_body)``; never raises."""
+    def handle(self, payload: str, op: str = "splice") -> tuple[int, str]:
+        """Run one control request (``op``: splice, fork, pin, unpin; ``payload``: its JSON
+        body). Returns ``(http_status, json_body)``; never raises."""
+        handlers: dict[str, tuple[type[BaseModel], Any]] = {
+            "splice": (SpliceRequest, self.splice),
+            "fork": (ForkRequest, self.fork),
+            "pin": (PinRequest, self.pin),
+            "unpin": (UnpinRequest, self.unpin),
+        }
+        if op not in handlers:
+            return 400, json.dumps({"error": f"unknown op {op!r}"})
+        model, run = handlers[op]
         try:
-            req = SpliceRequest.model_validate_json(payload)
+            req = model.model_validate_json(payload)
         except ValidationError as e:
-            return 422, json.dumps({"error": "invalid splice request", "detail": e.errors()})
+            detail = json.loads(e.json(include_url=False))
+            return 422, json.dumps({"error": f"invalid {op} request", "detail": detail})
         try:
-            resp = self.splice(req)
+            self.served.tree.pins.expire()
+            resp = run(req)
         except SpliceError as e:
             return e.status, json.dumps({"error": str(e)})
         except DirectiveError as e:
@@ -100,8 +128,47 @@ class SpliceExecutor:
         except Exception as e:  # never take the scheduler down; the ledger was released
             if not isinstance(e, InjectedFault):
                 logger.exception("leyline splice failed")
-            return 500, json.dumps({"error": f"splice failed and was rolled back: {e!r}"})
+            return 500, json.dumps({"error": f"{op} failed and was rolled back: {e!r}"})
         return 200, resp.model_dump_json()
+
+    # ---- fork, pin, unpin --------------------------------------------------------------------
+    def fork(self, req: ForkRequest) -> ForkResponse:
+        """Copy the cached ``req.tokens`` into ``req.target_extra_key`` (a splice with no
+        directive across namespaces). 409 not cached, 503 no room; nothing changes then."""
+        resp = self.splice(req.as_splice())
+        return ForkResponse(
+            new_length=resp.new_length, copied=resp.copied_prefix, elapsed_ms=resp.elapsed_ms
+        )
+
+    def pin(self, req: PinRequest) -> PinResponse:
+        """Lock the cached prefix ``req.tokens`` for ``req.ttl_s`` (``pins.py``). 409 not cached,
+        429 over the cap; nothing changes then."""
+        from leyline_agent.backends.sglang.compat import MatchPrefixParams, RadixKey
+
+        tree = self.served.tree
+        self.served.check_tokens(req.tokens)
+        key = RadixKey(array("q", req.tokens), req.extra_key, cache_salt=req.cache_salt)
+        match = tree.match_prefix(MatchPrefixParams(key=key))
+        check_cached(req, int(match.device_prefix_len))
+        pin = tree.pins.pin(match.last_device_node, len(req.tokens), req.ttl_s, req.owner)
+        return PinResponse(
+            pin_id=pin.pin_id,
+            pinned_tokens=pin.tokens,
+            ttl_s=req.ttl_s,
+            expires_at=pin.expires_at,
+            pinned_slots=tree.pins.pinned_slots(),
+            pin_cap_slots=tree.pins.cap_slots(),
+        )
+
+    def unpin(self, req: UnpinRequest) -> UnpinResult:
+        """Release one pin (404 when unknown or expired) or every pin of an owner."""
+        pins = self.served.tree.pins
+        if req.pin_id is not None:
+            if not pins.unpin(req.pin_id):
+                raise SpliceError(404, f"no pin {req.pin_id!r} (unknown, released or expired)")
+            return UnpinResult(released=1, pinned_slots=pins.pinned_slots())
+        assert req.owner is not None
+        return UnpinResult(released=pins.release_owner(req.owner), pinned_slots=pins.pinned_slots())
 
     # ---- the splice --------------------------------------------------------------------------
     def splice(self, req: SpliceRequest) -> SpliceResponse:
@@ -111,7 +178,7 @@ class SpliceExecutor:
         t0 = time.perf_counter()
         timer = Timer()
         tree = self.served.check(req)
-        ordered = sort_and_check(req.directives, len(req.tokens))
+        ordered = sort_and_check(req.directives, len(req.tokens)) if req.directives else []
         fault = FaultInjector(req.debug_fault if debug_enabled() else None)
         if req.debug_fail_after_prefill and debug_enabled():
             fault = FaultInjector("commit")
@@ -122,7 +189,7 @@ class SpliceExecutor:
         check_cached(req, cached)
         last_node = match.last_device_node
         old_slots = tree.path_device_indices(last_node)[:cached].to(torch.int64)
-        first = ordered[0].start
+        first = ordered[0].start if ordered else len(req.tokens)
         ledger = Ledger(tree)
         try:
             ledger.lock(last_node)
@@ -130,12 +197,16 @@ class SpliceExecutor:
             # Tokens cached past `tokens` on one unshared, unlocked branch (typically the previous
             # reply) are not part of the sequence: an in-place splice drops them. They stay
             # evictable (phase 1 may need their room); the commit detaches what is left of them.
-            parent, chain = tree.chain_from(last_node, first)
-            extension = tree.single_chain_below(last_node)
-            in_place = extension is not None and tree.chain_is_exclusive(
-                chain + extension, own_locks=1
-            )
-            plan = plan_splice(req.tokens, ordered, in_place=in_place)
+            # Across namespaces nothing of the source is taken: every slot is copied.
+            chain: list[TreeNode] = []
+            parent, in_place = last_node, False
+            if not req.crosses:
+                parent, chain = tree.chain_from(last_node, first)
+                extension = tree.single_chain_below(last_node)
+                in_place = extension is not None and tree.chain_is_exclusive(
+                    chain + extension, own_locks=1
+                )
+            plan = plan_splice(req.tokens, ordered, in_place=in_place, copy_prefix=req.crosses)
             if plan.forget_at is not None:
                 check_forget_span(tree, last_node, plan.forget_at, ledger)
             check_capacity(tree, plan.needed_slots)
@@ -165,6 +236,7 @@ class SpliceExecutor:
             rotated=plan.rotated,
             copied=plan.copied,
             purged=purged,
+            copied_prefix=plan.copied_prefix,
             in_place=took_chain,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
             cached_before=cached,
@@ -186,12 +258,17 @@ class SpliceExecutor:
         for op in plan.ops:
             if isinstance(op, Keep):
                 parts.append(old_slots[op.old.start : op.old.stop])
+            elif isinstance(op, Copy) and op.old:
+                dst = ledger.alloc(len(op.old), fault)
+                with timer("rotate"):
+                    self._copy(old_slots[op.old.start : op.old.stop], dst)
+                parts.append(dst)
             elif isinstance(op, (Prefill, PrefillFrom)):
                 prefix, tokens = torch.cat(parts), plan.new_tokens[: op.new.stop]
                 with timer("prefill"):
                     slots = prefill_tokens(
                         self.scheduler, self.served.tree, tokens, prefix,
-                        req.extra_key, req.cache_salt, fault,
+                        req.target.extra_key, req.cache_salt, fault,
                     )  # fmt: skip
                 parts.append(ledger.own(slots))
             elif isinstance(op, Rotate) and op.in_place:
@@ -206,6 +283,12 @@ class SpliceExecutor:
         if new_slots.numel() != len(plan.new_tokens):
             raise SpliceError(500, "internal: slot plan does not cover the new sequence")
         return new_slots
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows ``src`` copied to ``dst`` bit for bit, in every per-layer buffer."""
+        layout = self.served.kv_buffers()
+        for buf in [*layout.rotated, *layout.copied]:
+            buf[dst] = buf[src]
 
     def _rotate(self, src: torch.Tensor, dst: torch.Tensor, old: range, delta: int) -> None:
         from leyline_agent.kernels.delta_rotation import delta_rotate
@@ -237,6 +320,7 @@ class SpliceExecutor:
             f_parent, f_chain = tree.chain_from(last_node, plan.purge.old)
             if f_chain:
                 fault("purge")
+                tree.pins.release_under(set(tree.subtree_nodes(f_chain[0])))
                 purged = tree.purge_subtree(f_parent, f_chain[0])
         elif plan.in_place and (chain or tree.single_chain_below(last_node)):
             extension = tree.single_chain_below(last_node)  # what eviction left of it
@@ -254,10 +338,15 @@ class SpliceExecutor:
                 slots = old_slots[tail.old.start : tail.old.stop]
                 self._rotate(slots, slots, tail.old, tail.delta)
         fault("insert")
-        new_key = RadixKey(array("q", plan.new_tokens), req.extra_key, cache_salt=req.cache_salt)
+        target = req.target
+        new_key = RadixKey(
+            array("q", plan.new_tokens), target.extra_key, cache_salt=target.cache_salt
+        )
         result = tree.insert(InsertParams(key=new_key, value=new_slots))
         ledger.release_to_tree()  # the tree owns new_slots now (duplicates freed just below)
-        dup = new_slots[first : max(first, int(result.prefix_len))]
+        # what the target already held is freed: past the kept prefix, or (copied) from 0
+        own_from = 0 if req.crosses else first
+        dup = new_slots[own_from : max(own_from, int(result.prefix_len))]
         for t in (dup, dropped):
             if t is not None and t.numel():
                 tree.token_to_kv_pool_allocator.free(t)

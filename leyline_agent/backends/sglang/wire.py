@@ -1,4 +1,5 @@
-"""What crosses HTTP to ``POST /leyline/splice``: the body, the response and the cache namespace.
+"""What crosses HTTP to the Leyline routes: ``POST /leyline/splice``, ``/leyline/fork``,
+``/leyline/pin`` and ``/leyline/unpin`` (bodies and responses), and the cache namespace.
 
 Pydantic only (no sglang, no torch): the agent side (``client.py``, ``session.py``) imports it on a
 core install; the server validates the same models (``routes.py`` in the HTTP process, the
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from leyline_agent.directive import Directive
 
@@ -45,6 +46,12 @@ class SpliceRequest(BaseModel):
     directives: non-overlapping edits in old-sequence coordinates.
     extra_key: radix-cache namespace (SGLang's ``extra_key``); None is the default namespace.
     cache_salt: SGLang's ``cache_salt`` (also a namespace component).
+    target_extra_key: where the edited sequence goes; None (default) or equal to ``extra_key``:
+        the namespace it was matched in (an in-namespace splice). Another value: ``tokens`` are
+        matched in ``(extra_key, cache_salt)`` (typically the tenant's shared namespace of exact
+        KV) and the edited sequence is built in ``(target_extra_key, cache_salt)`` (the session's
+        private one): the unchanged prefix is copied slot by slot (no prefill), the source path
+        stays as it was (FORGET still purges the removed span from it).
     dp_rank: with SGLang ``--dp-size`` > 1, the DP rank that holds the sequence; None (default):
         the home rank of the namespace, where the server pins its requests (``backends/sglang/
         dp.py``). A client that pins requests itself (``routed_dp_rank``) names the same rank here.
@@ -58,6 +65,7 @@ class SpliceRequest(BaseModel):
     directives: list[Directive] = Field(min_length=1)
     extra_key: str | None = None
     cache_salt: str | None = None
+    target_extra_key: str | None = None
     dp_rank: StrictInt | None = Field(default=None, ge=0)
     debug_fault: str | None = None
     debug_fail_after_prefill: bool = False
@@ -65,6 +73,16 @@ class SpliceRequest(BaseModel):
     @property
     def namespace(self) -> Namespace:
         return Namespace(self.extra_key, self.cache_salt)
+
+    @property
+    def crosses(self) -> bool:
+        """The edited sequence goes into another namespace than the one it is matched in."""
+        return self.target_extra_key is not None and self.target_extra_key != self.extra_key
+
+    @property
+    def target(self) -> Namespace:
+        """The namespace the edited sequence is inserted in."""
+        return Namespace(self.target_extra_key if self.crosses else self.extra_key, self.cache_salt)
 
 
 class SpliceResponse(BaseModel):
@@ -76,6 +94,8 @@ class SpliceResponse(BaseModel):
     rotated: downstream tokens whose KV was kept and δ-rotated.
     copied: downstream slots copied before rotation (another path shared them).
     purged: slots removed from the tree by FORGET.
+    copied_prefix: prefix tokens copied slot by slot into the target namespace (a splice across
+        namespaces; 0 otherwise).
     in_place: True when the downstream tail was rotated in place (owned by this path alone).
     elapsed_ms: scheduler-side wall time of the whole splice, in milliseconds.
     cached_before: tokens of ``tokens`` found cached (always all of them on success).
@@ -93,8 +113,125 @@ class SpliceResponse(BaseModel):
     rotated: int
     copied: int = 0
     purged: int = 0
+    copied_prefix: int = 0
     in_place: bool
     elapsed_ms: float
     cached_before: int = 0
     timings_ms: dict[str, float] = Field(default_factory=dict)
     http_ms: float = Field(default=0.0, exclude=True)
+
+
+class ForkRequest(BaseModel):
+    """``POST /leyline/fork`` body: copy a cached sequence's KV into another namespace.
+
+    tokens: the sequence (token ids), cached in full in ``(extra_key, cache_salt)``.
+    extra_key, cache_salt: the source namespace.
+    target_extra_key: the child's namespace (with the same ``cache_salt``); must differ from
+        ``extra_key``. Splices there never touch the source.
+    dp_rank: as for ``SpliceRequest`` (the source namespace's home rank by default).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[StrictInt] = Field(min_length=1)
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    target_extra_key: str
+    dp_rank: StrictInt | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _other_namespace(self) -> ForkRequest:
+        if self.target_extra_key == self.extra_key:
+            raise ValueError("target_extra_key must differ from extra_key (a fork copies)")
+        return self
+
+    def as_splice(self) -> SpliceRequest:
+        """The splice with no directive that the executor runs for it."""
+        return SpliceRequest.model_construct(
+            tokens=self.tokens,
+            directives=[],
+            extra_key=self.extra_key,
+            cache_salt=self.cache_salt,
+            target_extra_key=self.target_extra_key,
+            dp_rank=self.dp_rank,
+            debug_fault=None,
+            debug_fail_after_prefill=False,
+        )
+
+
+class ForkResponse(BaseModel):
+    """``POST /leyline/fork`` result. new_length: tokens of the sequence now in the target
+    namespace; copied: slots copied for it (fewer when the target already held a prefix of it);
+    elapsed_ms: scheduler-side wall time, milliseconds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    new_length: int
+    copied: int
+    elapsed_ms: float
+
+
+MAX_PIN_TTL_S = 86400.0
+
+
+class PinRequest(BaseModel):
+    """``POST /leyline/pin`` body: keep a cached prefix resident (never evicted) for a while.
+
+    tokens: the prefix (token ids), cached in full in ``(extra_key, cache_salt)``.
+    ttl_s: seconds, in ``(0, 86400]``; the pin is released when it expires (checked before every
+        eviction and on every Leyline request), on ``/leyline/unpin``, or with its owner.
+    owner: a label (e.g. the session's namespace) that ``/leyline/unpin`` can release by.
+    dp_rank: as for ``SpliceRequest``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[StrictInt] = Field(min_length=1)
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    ttl_s: float = Field(gt=0, le=MAX_PIN_TTL_S)
+    owner: str | None = None
+    dp_rank: StrictInt | None = Field(default=None, ge=0)
+
+
+class PinResponse(BaseModel):
+    """``POST /leyline/pin`` result. pin_id: the handle for ``/leyline/unpin``; pinned_tokens:
+    the prefix length pinned; expires_at: Unix time (seconds); pinned_slots: slots the server's
+    pins hold now (a slot under several pins counts once); pin_cap_slots: the most they may hold
+    (``--max-pinned-fraction`` of the pool)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pin_id: str
+    pinned_tokens: int
+    ttl_s: float
+    expires_at: float
+    pinned_slots: int
+    pin_cap_slots: int
+
+
+class UnpinResult(BaseModel):
+    """``POST /leyline/unpin`` result: pins released, and the slots still pinned after it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    released: int
+    pinned_slots: int
+
+
+class UnpinRequest(BaseModel):
+    """``POST /leyline/unpin`` body: exactly one of ``pin_id`` (404 when unknown or expired) and
+    ``owner`` (every pin of that owner; none is not an error). ``dp_rank``: None releases on every
+    DP rank."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pin_id: str | None = None
+    owner: str | None = None
+    dp_rank: StrictInt | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one(self) -> UnpinRequest:
+        if (self.pin_id is None) == (self.owner is None):
+            raise ValueError("give exactly one of pin_id and owner")
+        return self
