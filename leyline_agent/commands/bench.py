@@ -29,10 +29,18 @@ def fidelity(
     model_path: Annotated[
         Path | None,
         typer.Option(
-            help="trained model directory (with fidelity.json); default: train the tiny MLA "
-            "model, or reuse it from $LEYLINE_CACHE/fidelity-model/<hash>"
+            help="trained model directory (with fidelity.json; its arch is read from there); "
+            "default: train the tiny model of --arch, or reuse it from "
+            "$LEYLINE_CACHE/fidelity-model/<hash>"
         ),
     ] = None,
+    arch: Annotated[
+        str,
+        typer.Option(
+            help="model trained and served: mla (DeepSeek-V2), gqa (Llama, 2 KV heads for 4 "
+            "query heads), or both (then a comparison table)"
+        ),
+    ] = "mla",
     n: Annotated[int, typer.Option(help="cases per kind (4 kinds)")] = 500,
     out: Annotated[Path, out_option()] = Path("runs/fidelity"),
     backend: Annotated[
@@ -64,8 +72,9 @@ def fidelity(
 ) -> None:
     """The fidelity experiment (paper §4.3): full context vs AMORTIZE vs FORGET.
 
-    Prints tables, writes results.json, cases-<dtype>.jsonl and fidelity.png into --out, then
-    prints one JSON summary as the last stdout line. See docs/fidelity.md.
+    Prints tables, writes results.json, cases-<label>.jsonl (label: the dtype for MLA,
+    gqa-<dtype> for GQA) and fidelity.png into --out, then prints one JSON summary as the last
+    stdout line. See docs/fidelity.md.
     """
     import dataclasses
 
@@ -80,30 +89,42 @@ def fidelity(
     for d in dtypes:
         if d not in ("float32", "bfloat16"):
             raise typer.BadParameter(f"--dtype {d!r}: use float32 or bfloat16")
+    if arch not in (*train_mod.ARCHS, "both"):
+        raise typer.BadParameter(f"--arch {arch!r}: use mla, gqa or both")
+    archs_run = [a for a in train_mod.ARCHS if arch in (a, "both")]
+    if (model_path or backend) and len(archs_run) > 1:
+        raise typer.BadParameter("--arch both trains and serves both models: no --model-path")
+    model_paths: list[Path] = []
     if model_path is None:
         import torch
 
         torch.set_num_threads(1)
-        spec = train_mod.TrainSpec()
-        if train_steps is not None:
-            spec = dataclasses.replace(spec, steps=train_steps)
-        res = train_mod.train(spec, log=_err)
-        model_path = res.model_dir
-        _err(train_mod.accuracy_table(res.info))
+        for a in archs_run:
+            spec = dataclasses.replace(train_mod.TrainSpec(), arch=a)
+            if train_steps is not None:
+                spec = dataclasses.replace(spec, steps=train_steps)
+            res = train_mod.train(spec, log=_err)
+            model_paths.append(res.model_dir)
+            _err(f"{a}: " + train_mod.accuracy_table(res.info))
     elif not (model_path / "fidelity.json").is_file():
         raise typer.BadParameter(f"{model_path} has no fidelity.json", param_hint="--model-path")
+    else:
+        model_paths.append(model_path)
 
     spec_b = divergence.BenchSpec(n=n, seed=seed)
-    benches = {
-        d: divergence.run(model_path, spec_b, backend=backend, dtype=d, log=_err) for d in dtypes
-    }
+    benches = {}
+    for path in model_paths:
+        for d in dtypes:
+            r = divergence.run(path, spec_b, backend=backend, dtype=d, log=_err)
+            benches[report.bench_label(r["arch"], d)] = r
     archs = arch_mod.run(log=_err) if architectures else None
     drift_res = drift_mod.run() if drift else None
     results, text = report.build(out, benches, archs, drift_res)
     typer.echo(text)
     typer.echo(f"wrote {out / 'results.json'} and {out / 'fidelity.png'}")
     summary = {d: b["summary"] for d, b in results["bench"].items()}
-    typer.echo(json.dumps({"out": str(out), "model": str(model_path), "summary": summary}))
+    models = [str(p) for p in model_paths]
+    typer.echo(json.dumps({"out": str(out), "models": models, "summary": summary}))
 
 
 def _lengths(text: str) -> list[int]:

@@ -11,6 +11,8 @@ paths give a next-token distribution, all through SGLang with the Leyline plugin
   everything from the chunk on is re-prefilled and the old span purged.
 - fresh:    (a check, not a path) the edited context prefilled in a third, empty namespace;
   FORGET must equal it up to the prefill split.
+- reference: (a check) transformers' own greedy next token on the full and the edited contexts
+  (the saved model, fp32): the server's full and fresh argmax must match it.
 
 Distributions are complete (``top_logprobs_num`` = vocabulary size), so KL(full ‖ path) is exact.
 Mechanics are checked per case: AMORTIZE is in place, prefills only the stub and rotates the whole
@@ -157,6 +159,22 @@ def run_cases(
     return rows
 
 
+def reference_argmax(model_dir: Path, cases: list[Case]) -> tuple[list[int], list[int]]:
+    """transformers' greedy next token (fp32, the saved weights) on each case's full context and
+    on its edited context. Returns ``(full, edited)``, one token id per case."""
+    from leyline_agent.bench.fidelity.train import load, predict
+
+    model = load(Path(model_dir))
+    return predict(model, [c.tokens for c in cases]), predict(model, [edited(c) for c in cases])
+
+
+def add_reference(rows: list[dict[str, Any]], full: list[int], fresh: list[int]) -> None:
+    """Attach the reference argmax (``reference_argmax``) to the per-case rows, in place."""
+    for row, f, e in zip(rows, full, fresh, strict=True):
+        row["hf_full_argmax"] = f
+        row["hf_fresh_argmax"] = e
+
+
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a proportion ``k / n``."""
     if n == 0:
@@ -199,6 +217,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "n": len(rs),
             "accuracy_full": _rate([r["full_argmax"] == r["answer"] for r in rs]),
         }
+        if "hf_full_argmax" in rs[0]:
+            g["accuracy_full_hf"] = _rate([r["hf_full_argmax"] == r["answer"] for r in rs])
         for path in PATHS:
             g[path] = {
                 "agreement": _rate([r[f"{path}_argmax"] == r["full_argmax"] for r in rs]),
@@ -216,6 +236,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "forget_vs_fresh_kl_max": max((r["kl_forget_fresh"] for r in rows), default=0.0),
         "forget_vs_fresh_argmax_agree": sum(r["fresh_argmax"] == r["forget_argmax"] for r in rows),
     }
+    if rows and "hf_full_argmax" in rows[0]:
+        out["checks"] |= {
+            "server_vs_hf_full_argmax_agree": sum(
+                r["full_argmax"] == r["hf_full_argmax"] for r in rows
+            ),
+            "server_vs_hf_fresh_argmax_agree": sum(
+                r["fresh_argmax"] == r["hf_fresh_argmax"] for r in rows
+            ),
+        }
     return out
 
 
@@ -225,10 +254,15 @@ def run(
     *,
     backend: str | None = None,
     dtype: str = "float32",
+    reference: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Generate the cases, run them (starting a server on ``model_dir`` unless ``backend``), and
-    return ``{"spec", "model", "summary", "seconds", ...}`` (per-case rows under ``"cases"``)."""
+    return ``{"spec", "dtype", "arch", "model", "summary", "seconds", ...}`` (per-case rows under
+    ``"cases"``). ``reference``: also compare the server's argmax with transformers' on the same
+    contexts (``checks.server_vs_hf_*``; needs transformers and the weights in ``model_dir``).
+
+    Raises ``FileNotFoundError`` when ``model_dir`` has no ``fidelity.json``."""
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     info_path = Path(model_dir) / "fidelity.json"
     if not info_path.is_file():
@@ -260,12 +294,16 @@ def run(
             rows = run_cases(srv.url, cases, task.vocab_size, batch=spec.batch, progress=progress)
     else:
         rows = run_cases(backend, cases, task.vocab_size, batch=spec.batch, progress=progress)
+    seconds = round(time.perf_counter() - t0, 1)
+    if reference:
+        add_reference(rows, *reference_argmax(Path(model_dir), cases))
     return {
         "spec": asdict(spec),
         "dtype": dtype,
+        "arch": info["train"].get("arch", "mla"),
         "model": {"dir": str(model_dir), **info},
         "summary": summarize(rows),
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": seconds,
         "cases": rows,
     }
 
@@ -297,6 +335,13 @@ def table(result: dict[str, Any]) -> str:
         f"KL max {c['forget_vs_fresh_kl_max']:.1e}, argmax agree "
         f"{c['forget_vs_fresh_argmax_agree']}/{m['n']}"
     )
+    if "server_vs_hf_full_argmax_agree" in c:
+        lines.append(
+            f"server vs transformers (fp32) argmax: full {c['server_vs_hf_full_argmax_agree']}"
+            f"/{m['n']}, edited (fresh) {c['server_vs_hf_fresh_argmax_agree']}/{m['n']}; "
+            "accuracy full (transformers) "
+            + ", ".join(f"{k} {s[k]['accuracy_full_hf']['rate']:.1%}" for k in KINDS if k in s)
+        )
     return "\n".join(lines)
 
 
@@ -309,9 +354,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default=None, help="URL of a running leyline serve")
     parser.add_argument("--out", type=Path, default=None, help="write bench.json here")
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip the transformers argmax check"
+    )
     args = parser.parse_args(argv)
     spec = BenchSpec(n=args.n, batch=args.batch, seed=args.seed)
-    result = run(args.model_path, spec, backend=args.backend, dtype=args.dtype)
+    result = run(
+        args.model_path,
+        spec,
+        backend=args.backend,
+        dtype=args.dtype,
+        reference=not args.no_reference,
+    )
     print(table(result))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Tables, ``results.json`` and ``fidelity.png`` from the parts of the fidelity experiment.
 
-Parts (any may be missing): the divergence benchmark per KV dtype (``divergence.run``), the
-architecture checks (``architectures.run``), the rope drift (``drift.run``). The plot has one
+Parts (any may be missing): the divergence benchmark per model arch and KV dtype
+(``divergence.run``; keyed by a label such as ``float32`` or ``gqa-float32``), the architecture
+checks (``architectures.run``), the rope drift (``drift.run``). The plot has one
 panel per part: argmax agreement with the full context and task accuracy per path and case
 group; mean KL(full ‖ path) per group (log scale); drift vs number of splices (log-log) with the
 paper's 4.7e-3.
@@ -47,6 +48,43 @@ def consistency_errors(result: dict[str, Any]) -> list[str]:
     return errors
 
 
+def bench_label(arch: str, dtype: str) -> str:
+    """The key of one divergence run: ``dtype`` for the MLA model (as before GQA existed),
+    ``<arch>-<dtype>`` otherwise; also names ``cases-<label>.jsonl``."""
+    return dtype if arch == "mla" else f"{arch}-{dtype}"
+
+
+def compare_table(benches: dict[str, dict[str, Any]]) -> str:
+    """One row per case group and run (label): accuracy of the full context (server, and
+    transformers when checked), argmax agreement with it and accuracy of AMORTIZE / FORGET,
+    mean KL(full ‖ path) in nats. Rates in %, agreement with its 95% Wilson interval."""
+    head = (
+        f"{'group':<14}{'run':<16}{'n':>5}{'acc full':>10}{'(hf)':>7}"
+        f"{'agree A [95% CI]':>24}{'agree F [95% CI]':>24}{'acc A':>8}{'acc F':>8}"
+        f"{'KL A':>10}{'KL F':>10}"
+    )
+    lines = [head]
+    for group in ("carried", "direct", "carried_ctrl", "direct_ctrl", "real", "control"):
+        for label, res in benches.items():
+            g = res["summary"].get(group)
+            if g is None:
+                continue
+            hf = g.get("accuracy_full_hf")
+            cells = []
+            for path in divergence.PATHS:
+                a = g[path]["agreement"]
+                lo, hi = a["ci95"]
+                cells.append(f"{a['rate']:.1%} [{lo:.1%}, {hi:.1%}]")
+            lines.append(
+                f"{group:<14}{label:<16}{g['n']:>5}{g['accuracy_full']['rate']:>10.1%}"
+                + (f"{hf['rate']:>7.1%}" if hf else f"{'-':>7}")
+                + "".join(f"{c:>24}" for c in cells)
+                + f"{g['amortize']['accuracy']['rate']:>8.1%}{g['forget']['accuracy']['rate']:>8.1%}"
+                + f"{g['amortize']['kl_mean']:>10.2e}{g['forget']['kl_mean']:>10.2e}"
+            )
+    return "\n".join(lines)
+
+
 def plot(benches: dict[str, dict[str, Any]], drift_res: dict[str, Any] | None, path: Path) -> None:
     import matplotlib
 
@@ -62,7 +100,7 @@ def plot(benches: dict[str, dict[str, Any]], drift_res: dict[str, Any] | None, p
         ax.set_visible(False)
     ax_i = 0
     width = 0.2
-    for dtype, res in benches.items():
+    for label, res in benches.items():
         s = res["summary"]
         groups = [g for g in GROUPS if g in s]
         xs = range(len(groups))
@@ -100,7 +138,7 @@ def plot(benches: dict[str, dict[str, Any]], drift_res: dict[str, Any] | None, p
         ax.set_xticks(list(xs), groups, fontsize=8)
         ax.set_ylim(0, 1.3)
         ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
-        ax.set_title(f"agreement with full ctx / accuracy ({dtype}, n={res['spec']['n']}/kind)")
+        ax.set_title(f"agreement with full ctx / accuracy ({label}, n={res['spec']['n']}/kind)")
         ax.legend(fontsize=7, ncol=3, loc="upper center")
         ax_i += 1
         ax = axes[ax_i]
@@ -111,7 +149,7 @@ def plot(benches: dict[str, dict[str, Any]], drift_res: dict[str, Any] | None, p
             ax.bar([x + (i - 0.5) * 0.35 for x in xs], vals, 0.35, label=path_name, color=color)
         ax.set_yscale("log")
         ax.set_xticks(list(xs), groups, fontsize=8)
-        ax.set_title(f"mean KL(full ‖ path), nats ({dtype})")
+        ax.set_title(f"mean KL(full ‖ path), nats ({label})")
         ax.legend(fontsize=7)
         ax_i += 1
     if drift_res:
@@ -142,29 +180,33 @@ def build(
     archs: dict[str, Any] | None = None,
     drift_res: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], str]:
-    """Write ``results.json``, ``cases-<dtype>.jsonl`` and ``fidelity.png`` into ``out``.
+    """Write ``results.json``, ``cases-<label>.jsonl`` and ``fidelity.png`` into ``out``.
 
-    Returns ``(results, tables_text)``.
+    ``benches``: divergence results by label (``bench_label``). Returns ``(results,
+    tables_text)``; the text adds ``compare_table`` when the runs cover more than one arch.
     """
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"experiment": "fidelity", "environment": environment(), "bench": {}}
     texts: list[str] = []
-    for dtype, res in benches.items():
+    for label, res in benches.items():
         slim = {k: v for k, v in res.items() if k != "cases"}
         slim["consistency_errors"] = consistency_errors(res)
-        results["bench"][dtype] = slim
-        with (out / f"cases-{dtype}.jsonl").open("w") as f:
+        results["bench"][label] = slim
+        with (out / f"cases-{label}.jsonl").open("w") as f:
             for row in res["cases"]:
                 f.write(json.dumps(row) + "\n")
         acc = res["model"].get("accuracy", {})
         texts.append(
-            f"== divergence benchmark, KV {dtype}, {res['spec']['n']} cases per kind "
+            f"== divergence benchmark, {res.get('arch', 'mla')} model, KV {res['dtype']}, "
+            f"{res['spec']['n']} cases per kind "
             f"({res['seconds']:.0f}s) ==\n"
             + "model full-context accuracy at training time: "
             + ", ".join(f"{k} {v['full']:.1%}" for k, v in acc.items())
             + f" (chance {res['model'].get('chance', float('nan')):.1%})\n"
             + divergence.table(res)
         )
+    if len({res.get("arch", "mla") for res in benches.values()}) > 1:
+        texts.append("== MLA vs GQA ==\n" + compare_table(benches))
     if archs:
         results["architectures"] = archs
         texts.append(

@@ -1,8 +1,10 @@
-"""Train the tiny MLA model of the fidelity experiment (CPU, seeded, cached).
+"""Train the tiny model of the fidelity experiment (CPU, seeded, cached): MLA or GQA.
 
-A ``DeepseekV2ForCausalLM`` from transformers (MLA: ``kv_lora_rank`` latent + ``qk_rope_head_dim``
-rope key, YaRN rope with ``mscale = mscale_all_dim = 0.707``, every layer dense) trained on the
-task of ``task.py`` with AdamW and a cosine schedule. Loss is taken on the two positions whose next
+``arch="mla"`` (default): a ``DeepseekV2ForCausalLM`` from transformers (MLA: ``kv_lora_rank``
+latent + ``qk_rope_head_dim`` rope key, YaRN rope with ``mscale = mscale_all_dim = 0.707``, every
+layer dense). ``arch="gqa"``: a ``LlamaForCausalLM`` with ``kv_heads`` < ``heads`` KV heads of
+``head_dim``, plain RoPE (θ 10000, NeoX halves). Either is trained on the task of ``task.py``
+with the same recipe (AdamW, cosine schedule, seed, steps, batch). Loss is taken on the two positions whose next
 token the task defines (the token after ``USE K_j`` and the answer). Saved with
 ``save_pretrained`` (``config.json`` + ``model.safetensors``, fp32) plus ``fidelity.json`` (task
 spec, training spec, accuracies) so that SGLang serves it through its normal loader
@@ -10,9 +12,10 @@ spec, training spec, accuracies) so that SGLang serves it through its normal loa
 
 The output directory defaults to ``$LEYLINE_CACHE/fidelity-model/<hash>`` (``LEYLINE_CACHE``
 defaults to ``~/.cache/leyline``), where the hash covers this file, ``task.py`` and the
-arguments; an existing complete directory is reused, so reruns and CI do not retrain.
+arguments (``arch`` included); an existing complete directory is reused, so reruns and CI do
+not retrain.
 
-    python -m leyline_agent.bench.fidelity.train [--steps N] [--out DIR] [--force]
+    python -m leyline_agent.bench.fidelity.train [--arch mla|gqa] [--steps N] [--out DIR] [--force]
 
 Prints the full-context accuracy per task kind (and, for reference, the accuracy after the
 chunk is replaced by the stub and the context re-prefilled: what FORGET computes), then one JSON
@@ -31,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -42,11 +45,19 @@ from leyline_agent.embedded.model import TinyMLAConfig
 
 FILES_HASHED = ("train.py", "task.py")
 
+Arch = Literal["mla", "gqa"]
+ARCHS: tuple[Arch, ...] = ("mla", "gqa")
+
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """Model shape and optimisation. Every field enters the cache hash."""
+    """Model shape and optimisation. Every field enters the cache hash.
 
+    arch: ``mla`` (DeepSeek-V2: ``kv_lora_rank``, ``qk_*_head_dim``, ``v_head_dim`` apply) or
+    ``gqa`` (Llama: ``kv_heads`` KV heads of ``head_dim``; ``heads`` query heads share them).
+    """
+
+    arch: Arch = "mla"
     seed: int = 0
     steps: int = 800
     batch: int = 64
@@ -60,6 +71,8 @@ class TrainSpec:
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 32
     v_head_dim: int = 32
+    kv_heads: int = 2
+    head_dim: int = 32
     intermediate: int = 256
     eval_cases: int = 200
 
@@ -71,8 +84,37 @@ class TrainResult(NamedTuple):
 
 
 def model_config(spec: TrainSpec, task: TaskSpec) -> dict[str, Any]:
-    """The Hugging Face config dict (transformers 5 spelling: ``rope_parameters``): every layer
-    dense (no expert tensors), YaRN ×4 over 1,024 positions."""
+    """The Hugging Face config dict of ``spec.arch`` (transformers 5 spelling:
+    ``rope_parameters``). MLA: every layer dense (no expert tensors), YaRN ×4 over 1,024
+    positions. GQA: Llama, plain RoPE θ 10000, untied embeddings.
+
+    Raises ``ValueError`` on an unknown arch or ``heads`` not a multiple of ``kv_heads``.
+    """
+    if spec.arch == "gqa":
+        if spec.kv_heads < 1 or spec.heads % spec.kv_heads:
+            raise ValueError(f"heads {spec.heads} must be a multiple of kv_heads {spec.kv_heads}")
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": task.vocab_size,
+            "hidden_size": spec.hidden,
+            "intermediate_size": spec.intermediate,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads,
+            "head_dim": spec.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": PAD,
+            "torch_dtype": "float32",
+        }
+    if spec.arch != "mla":
+        raise ValueError(f"unknown arch {spec.arch!r}; one of {ARCHS}")
     return TinyMLAConfig(
         vocab_size=task.vocab_size,
         hidden_size=spec.hidden,
@@ -109,6 +151,28 @@ def spec_hash(spec: TrainSpec, task: TaskSpec) -> str:
 
 def default_out(spec: TrainSpec, task: TaskSpec) -> Path:
     return cache_root() / "fidelity-model" / spec_hash(spec, task)
+
+
+def new_model(spec: TrainSpec, task: TaskSpec) -> Any:
+    """A freshly initialised transformers model of ``spec.arch`` (fp32, seeded by the caller)."""
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    cfg = model_config(spec, task)
+    if spec.arch == "gqa":
+        return LlamaForCausalLM(LlamaConfig(**cfg))
+    return DeepseekV2ForCausalLM(DeepseekV2Config(**cfg))
+
+
+def load(model_dir: Path) -> Any:
+    """The saved model of ``model_dir`` in transformers (fp32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _complete(out: Path) -> bool:
@@ -190,8 +254,6 @@ def train(
     ``log``: a callable taking a string (progress lines); default prints to stderr.
     Raises ``OSError`` on an unwritable ``out``.
     """
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
     spec = spec or TrainSpec()
     task = task or TaskSpec()
     out = Path(out) if out is not None else default_out(spec, task)
@@ -203,7 +265,7 @@ def train(
 
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
-    model = DeepseekV2ForCausalLM(DeepseekV2Config(**model_config(spec, task)))
+    model = new_model(spec, task)
     init_fact_embeddings(model, task)
     model.train()
     params = sum(p.numel() for p in model.parameters())
@@ -257,7 +319,9 @@ def train(
     cfg = json.loads((out / "config.json").read_text())
     # NOTE: transformers 5 drops keys its config class does not declare; SGLang's DeepseekV2 reads
     # moe_layer_freq (and torch_dtype for --dtype auto).
-    cfg.update(torch_dtype="float32", moe_layer_freq=1)
+    cfg.update(torch_dtype="float32")
+    if spec.arch == "mla":
+        cfg.update(moe_layer_freq=1)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "fidelity.json").write_text(json.dumps(info, indent=2))  # written last: "complete"
     return TrainResult(out, info, False)
@@ -274,6 +338,7 @@ def accuracy_table(info: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = TrainSpec()
+    parser.add_argument("--arch", choices=ARCHS, default=defaults.arch)
     parser.add_argument("--out", type=Path, default=None, help="model directory (default: cache)")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--batch", type=int, default=defaults.batch)
@@ -285,7 +350,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = dataclasses.replace(
-        defaults, steps=args.steps, batch=args.batch, lr=args.lr, layers=args.layers, seed=args.seed
+        defaults,
+        arch=args.arch,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        layers=args.layers,
+        seed=args.seed,
     )
     res = train(spec, out=args.out, force=args.force)
     print(accuracy_table(res.info))
