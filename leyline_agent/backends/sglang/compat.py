@@ -59,6 +59,7 @@ SYMBOLS: dict[str, str] = {
     "MHATokenToKVPool": "sglang.srt.mem_cache.memory_pool:MHATokenToKVPool",
     # model, attention, RoPE
     "RadixAttention": "sglang.srt.layers.radix_attention:RadixAttention",
+    "LogitsProcessor": "sglang.srt.layers.logits_processor:LogitsProcessor",
     "TorchNativeAttnBackend": (
         "sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend"
     ),
@@ -130,6 +131,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "MLATokenToKVPool": ("kv_buffer", "kv_lora_rank", "qk_rope_head_dim", "dtype", "store_dtype"),
     "MHATokenToKVPool": ("k_buffer", "v_buffer", "dtype", "store_dtype"),
     "RadixAttention": ("sliding_window_size",),
+    "LogitsProcessor": ("_get_logits",),
     "RotaryEmbedding": ("_compute_inv_freq", "rotary_dim", "base", "is_neox_style"),
     "LinearScalingRotaryEmbedding": ("scaling_factors",),
     "Llama3RotaryEmbedding": (
