@@ -1,7 +1,8 @@
 """HTTP client for a Leyline-enabled SGLang server (``leyline serve``). Pure httpx.
 
-Endpoints: ``POST /leyline/splice`` (see ``backends/sglang/wire.py`` for the body and the
-response fields), ``GET /leyline/stats``, and SGLang's own ``POST /generate`` with ``input_ids``.
+Endpoints: ``POST /leyline/splice``, ``/leyline/fork``, ``/leyline/pin``, ``/leyline/unpin``
+(see ``backends/sglang/wire.py`` for the bodies and the response fields), ``GET /leyline/stats``,
+and SGLang's own ``POST /generate`` with ``input_ids``.
 """
 
 from __future__ import annotations
@@ -12,19 +13,30 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from leyline_agent.backends.sglang.wire import Namespace, SpliceResponse
+from leyline_agent.backends.sglang.wire import (
+    ForkRequest,
+    ForkResponse,
+    Namespace,
+    PinResponse,
+    SpliceResponse,
+    UnpinRequest,
+)
 from leyline_agent.directive import Directive
 
 
 class SpliceRejected(RuntimeError):
-    """The server refused or failed a splice; the cache is unchanged.
+    """The server refused or failed a splice (or a fork, pin, unpin: ``what``); the cache is
+    unchanged.
 
-    status: HTTP status (400/422 bad input, 409 not cached or in use, 501 no plugin, 503 pool
-    exhausted, 500 failed and rolled back, 0 backend unreachable).
+    status: HTTP status (400/422 bad input, 404 unknown pin, 409 not cached or in use, 429 pin cap
+    reached, 501 no plugin, 503 pool exhausted, 500 failed and rolled back, 0 backend
+    unreachable).
     """
 
+    what = "splice"
+
     def __init__(self, status: int, message: str):
-        super().__init__(f"splice rejected ({status}): {message}")
+        super().__init__(f"{self.what} rejected ({status}): {message}")
         self.status = status
         self.message = message
 
@@ -34,6 +46,21 @@ class SpliceRejected(RuntimeError):
         ``unsupported``, ``no_plugin``, ``unreachable``, ``unauthorized``, ``bad_request``,
         ``backend_error``."""
         return miss_reason(self.status, self.message)
+
+
+class ForkRejected(SpliceRejected):
+    """``POST /leyline/fork`` refused (409 not cached in the source, 422 bad body or target ==
+    source, 503 no room); nothing was copied."""
+
+    what = "fork"
+
+
+class PinRejected(SpliceRejected):
+    """``POST /leyline/pin`` or ``/leyline/unpin`` refused (409 not cached, 422 bad body or
+    ``ttl_s`` outside (0, 86400], 429 the pinned share of the pool would pass the server's cap,
+    404 unknown ``pin_id``); nothing changed."""
+
+    what = "pin"
 
 
 def miss_reason(status: int, message: str = "") -> str:
@@ -46,6 +73,8 @@ def miss_reason(status: int, message: str = "") -> str:
         return "unauthorized"
     if status == 409:
         return "in_use" if "running request" in message else "not_cached"
+    if status == 429:
+        return "pin_cap"
     if status == 503:
         return "pool_full"
     if status == 501:
@@ -87,6 +116,12 @@ class LeylineClient:
     def close(self) -> None:
         self.http.close()
 
+    def __enter__(self) -> LeylineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def splice(
         self,
         tokens: Sequence[int],
@@ -94,11 +129,14 @@ class LeylineClient:
         *,
         extra_key: str | None = None,
         cache_salt: str | None = None,
+        target_extra_key: str | None = None,
         **extra: Any,
     ) -> SpliceResponse:
         """Run directives on the cached ``tokens`` in the namespace ``(extra_key, cache_salt)``
-        (the one the chat or generate request that cached them used). Returns the server's
-        response with ``http_ms`` set. Raises :class:`SpliceRejected`."""
+        (the one the chat or generate request that cached them used). ``target_extra_key``: build
+        the edited sequence in ``(target_extra_key, cache_salt)`` instead (the unchanged prefix
+        copied, the source left as it was). Returns the server's response with ``http_ms`` set.
+        Raises :class:`SpliceRejected`."""
         body = {
             "tokens": list(tokens),
             "directives": [d.model_dump(mode="json") for d in directives],
@@ -106,23 +144,82 @@ class LeylineClient:
             **extra,
             **Namespace(extra_key, cache_salt).fields(),
         }
+        if target_extra_key is not None:
+            body["target_extra_key"] = target_extra_key
+        data, http_ms = self._post("/leyline/splice", body, SpliceRejected)
+        return SpliceResponse.model_validate({**data, "http_ms": http_ms})
+
+    def fork(
+        self,
+        tokens: Sequence[int],
+        *,
+        extra_key: str | None,
+        target_extra_key: str,
+        cache_salt: str | None = None,
+    ) -> ForkResponse:
+        """Copy the KV of ``tokens`` (cached in full in ``(extra_key, cache_salt)``) into
+        ``(target_extra_key, cache_salt)``. Raises :class:`ForkRejected`."""
+        body = ForkRequest(
+            tokens=list(tokens),
+            extra_key=extra_key,
+            cache_salt=cache_salt or None,
+            target_extra_key=target_extra_key,
+        )
+        data, _ = self._post("/leyline/fork", body.model_dump(exclude_none=True), ForkRejected)
+        return ForkResponse.model_validate(data)
+
+    def pin(
+        self,
+        tokens: Sequence[int],
+        *,
+        ttl_s: float,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        owner: str | None = None,
+    ) -> PinResponse:
+        """Keep the cached prefix ``tokens`` of ``(extra_key, cache_salt)`` resident for
+        ``ttl_s`` seconds (or until unpinned). Raises :class:`PinRejected` (429: the server's cap
+        on the pinned share of its pool)."""
+        body = {
+            "tokens": list(tokens),
+            "ttl_s": ttl_s,
+            "extra_key": extra_key,
+            **Namespace(extra_key, cache_salt).fields(),
+        }
+        if owner is not None:
+            body["owner"] = owner
+        data, _ = self._post("/leyline/pin", body, PinRejected)
+        return PinResponse.model_validate(data)
+
+    def unpin(self, pin_id: str | None = None, *, owner: str | None = None) -> int:
+        """Release one pin (``pin_id``; 404 when unknown or expired) or every pin of ``owner``;
+        returns the pins released. Raises :class:`PinRejected`."""
+        body = UnpinRequest(pin_id=pin_id, owner=owner).model_dump(exclude_none=True)
+        data, _ = self._post("/leyline/unpin", body, PinRejected)
+        return int(data.get("released", 0))
+
+    def _post(
+        self, path: str, body: dict[str, Any], rejected: type[SpliceRejected]
+    ) -> tuple[dict[str, Any], float]:
+        """POST a Leyline route: ``(the JSON answer, round trip in ms)``; any other answer than
+        200 raises ``rejected`` (status 0: unreachable)."""
         t0 = time.perf_counter()
         try:
-            r = self.http.post("/leyline/splice", json=body)
+            r = self.http.post(path, json=body)
         except httpx.HTTPError as e:
-            raise SpliceRejected(0, f"backend unreachable: {e}") from e
+            raise rejected(0, f"backend unreachable: {e}") from e
         http_ms = (time.perf_counter() - t0) * 1e3
-        if r.status_code == 404:
-            raise SpliceRejected(
-                404, "backend has no /leyline/splice (not started by leyline serve)"
-            )
         try:
             data = r.json()
         except ValueError:
-            raise SpliceRejected(r.status_code, r.text[:500]) from None
+            data = None
+        if r.status_code == 404 and not (isinstance(data, dict) and "error" in data):
+            raise rejected(404, f"backend has no {path} (not started by leyline serve)")
+        if not isinstance(data, dict):
+            raise rejected(r.status_code, r.text[:500])
         if r.status_code != 200:
-            raise SpliceRejected(r.status_code, str(data.get("error", data)))
-        return SpliceResponse.model_validate({**data, "http_ms": http_ms})
+            raise rejected(r.status_code, str(data.get("error", data)))
+        return data, http_ms
 
     def generate(
         self,

@@ -72,10 +72,28 @@ class PrefixCache:
         return httpx.Response(200, json={"output_ids": self.reply, "meta_info": meta})
 
 
-def _core(backend: PrefixCache, policy: str = "none", splice: bool = False) -> SessionCore:
+def _core(
+    backend: PrefixCache, policy: str = "none", splice: bool = False, share_exact: bool = False
+) -> SessionCore:
+    """A session on ``backend``; in its own namespace from the first request unless
+    ``share_exact`` (the bound is then the whole prompt while it is shared)."""
     client = LeylineClient("http://mock")
     client.http = httpx.Client(base_url="http://mock", transport=httpx.MockTransport(backend))
-    return SessionCore(client, ConversationWrapper(None, policy), splice=splice)
+    wrapper = ConversationWrapper(None, policy)
+    return SessionCore(client, wrapper, splice=splice, share_exact=share_exact)
+
+
+def test_best_is_the_whole_prompt_while_the_namespace_is_shared() -> None:
+    """Another session's identical prefix is a hit in the shared namespace: the bound of a
+    shared session's turn is its prompt, so reused never exceeds it (before: 0 on a first turn
+    that another session's prefix served)."""
+    backend = PrefixCache()
+    a, b = _core(backend, share_exact=True), _core(backend, share_exact=True)
+    assert a.request_namespace == b.request_namespace != a.namespace
+    a.generate([SYSTEM, ASK])
+    record, _ = b.generate([SYSTEM, MORE])
+    assert record.reused_tokens > 0 and record.best_reused_tokens >= record.reused_tokens
+    assert record.best_reused_tokens == record.prompt_tokens
 
 
 def test_best_counts_the_reply_the_backend_cached() -> None:

@@ -253,17 +253,28 @@ def test_cache_salt_is_one_namespace_for_the_chat_request_and_the_splice() -> No
     core = SessionCore(client, ConversationWrapper(policy="stale_tool_outputs:keep_last=2"))
     core.set_cache_salt("salt-1")
     turns = agent_conversation()
+    shared, own = core.shared_namespace, core.namespace
+    keys = []
     for messages in turns:
         pending = core.begin(messages)
         body = core.chat_body(pending, {"model": "m", "cache_salt": "salt-1"})
-        assert (body["extra_key"], body["cache_salt"]) == (core.namespace, "salt-1")
+        assert body["cache_salt"] == "salt-1"
+        keys.append(body["extra_key"])
         core.finish(pending, prompt_tokens=len(pending.plan.tokens), cached_tokens=0,
                     request_ms=0.0, messages=messages)  # fmt: skip
-    assert client.splices and all(
-        kw == {"extra_key": core.namespace, "cache_salt": "salt-1"} for kw in client.splices
+    # exact KV shared until the first splice, which builds the session's own path; then own
+    first = keys.index(own)
+    assert first > 0 and keys == [shared] * first + [own] * (len(keys) - first)
+    assert client.splices[0] == {
+        "extra_key": shared, "cache_salt": "salt-1", "target_extra_key": own
+    }  # fmt: skip
+    assert len(client.splices) > 1 and all(
+        kw == {"extra_key": own, "cache_salt": "salt-1", "target_extra_key": None}
+        for kw in client.splices[1:]
     )
     core.set_cache_salt("salt-2")  # another namespace: nothing of salt-1 is reachable there
     assert core.wrapper.tokens == [] and core.cache_salt == "salt-2"
+    assert core.request_namespace == shared  # nothing amortized under the new salt
     body = core.chat_body(core.begin(turns[1]), {"model": "m"})
     assert body["cache_salt"] == "salt-2"
 

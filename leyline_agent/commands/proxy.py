@@ -62,6 +62,14 @@ def proxy(
     health_interval: Annotated[
         float, typer.Option(min=0.1, help="Seconds between two polls of each backend's /health.")
     ] = 5.0,
+    share_exact: Annotated[
+        bool,
+        typer.Option(
+            "--share-exact/--no-share-exact",
+            help="Sessions use their tenant's shared namespace (exact KV) until their first "
+            "splice, then their own (--no-share-exact: their own from the first request).",
+        ),
+    ] = True,
 ) -> None:
     """OpenAI-compatible proxy: POST /v1/chat/completions with policy-driven cache edits.
 
@@ -89,7 +97,7 @@ def proxy(
         api = create_app(
             backend, policy, splice=splice, record_dir=record, model_path=model_path,
             api_keys=api_key, backend_api_key=backend_api_key or None,
-            health_interval=health_interval,
+            health_interval=health_interval, share_exact=share_exact,
         )  # fmt: skip
     except PolicyError as e:
         raise typer.BadParameter(str(e), param_hint="--policy") from e

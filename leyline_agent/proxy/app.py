@@ -21,8 +21,12 @@ Several backends (``backends.py``): each session is pinned to one by rendezvous 
 namespace, fails over to the next one up when its own is down, and ``/health`` of every backend
 is polled each ``health_interval`` seconds.
 
+Sharing (``share_exact``, default on): a session's requests use its tenant's shared namespace
+until its first splice, then its own (``session.py``). Pins and forks: ``retention.py``.
+
 Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
-``GET /leyline/sessions/{id}``, ``GET /metrics`` (Prometheus text), ``GET /health``.
+``GET /leyline/sessions/{id}``, ``DELETE /leyline/sessions/{id}`` (end a session: its pins are
+released; 409 while a turn is in flight), ``GET /metrics`` (Prometheus text), ``GET /health``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
 from leyline_agent.proxy.backends import DEFAULT_HEALTH_INTERVAL, BackendPool
 from leyline_agent.proxy.chat import chat_completions
 from leyline_agent.proxy.responses import error_response, passthrough, unreachable
+from leyline_agent.proxy.retention import Retention
 from leyline_agent.proxy.sessions import SessionRegistry
 from leyline_agent.session import SessionCore
 from leyline_agent.traces.recorder import TraceRecorder
@@ -65,6 +70,7 @@ class LeylineProxy:
         connect_timeout: float,
         timeout: float,
         backend_api_key: str | None = None,
+        share_exact: bool = True,
     ) -> None:
         urls = [backend_url] if isinstance(backend_url, str) else list(backend_url)
         limits = httpx.Timeout(timeout, connect=connect_timeout)
@@ -78,10 +84,14 @@ class LeylineProxy:
             wrapper = ConversationWrapper(renderer, policy)
             # NOTE: the client is the session's backend, set by BackendPool.route on its first turn
             return SessionCore(
-                self.client, wrapper, session_id=session_id, namespace=namespace, splice=splice
-            )
+                self.client, wrapper, session_id=session_id, namespace=namespace, splice=splice,
+                share_exact=share_exact,
+            )  # fmt: skip
 
-        self.registry = SessionRegistry(new_core, max_sessions=max_sessions)
+        self.retention = Retention()
+        self.registry = SessionRegistry(
+            new_core, max_sessions=max_sessions, on_drop=self.retention.release_session
+        )
         self.recorder = TraceRecorder(record_dir) if record_dir is not None else None
         self.parity = metrics.ParityCounters()
         self._context_len: int | None = None
@@ -134,9 +144,21 @@ class LeylineProxy:
             return error_response(404, f"no live session {session_id!r}", "not_found")
         return JSONResponse(s.detail())
 
+    async def end_session(self, request: Request, session_id: str) -> Response:
+        """``DELETE /leyline/sessions/{id}``: drop the session (its counters stay in the
+        totals) and release its pins."""
+        s = self.registry.get(session_id, tenant_of(request))
+        if s is None:
+            return error_response(404, f"no live session {session_id!r}", "not_found")
+        if s.lock.locked():
+            return error_response(409, f"session {session_id!r} has a turn in flight", "conflict")
+        self.registry.remove(s)
+        return JSONResponse({"id": s.id, "ended": True})
+
     def metrics(self, request: Request) -> Response:
         text = metrics.render(self.registry, self.parity, tenant=tenant_of(request))
         text += metrics.render_backends(self.pool, self.registry.sessions())
+        text += metrics.render_retention(self.retention.counters)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
 
@@ -153,6 +175,7 @@ def create_app(
     api_keys: Sequence[str] | None = None,
     backend_api_key: str | None = None,
     health_interval: float = DEFAULT_HEALTH_INTERVAL,
+    share_exact: bool = True,
 ) -> FastAPI:
     """The proxy app in front of ``backend_url`` (a ``leyline serve``, without ``/v1``), or of
     several (a list of URLs; sessions routed by namespace, see ``backends.py``).
@@ -168,6 +191,8 @@ def create_app(
             no authentication, one tenant (``default``).
         backend_api_key: the backend's own key (``leyline serve --api-key``), sent upstream.
         health_interval: seconds between two polls of every backend's ``/health``.
+        share_exact: sessions use their tenant's shared namespace until their first splice
+            (False: each its own namespace from the first request, as before sharing).
 
     Raises:
         PolicyError: an unknown policy or bad policy parameters.
@@ -185,6 +210,7 @@ def create_app(
         connect_timeout=connect_timeout,
         timeout=timeout,
         backend_api_key=backend_api_key,
+        share_exact=share_exact,
     )
 
     @asynccontextmanager
@@ -205,6 +231,7 @@ def create_app(
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
     app.add_api_route("/leyline/sessions", proxy.sessions, methods=["GET"])
     app.add_api_route("/leyline/sessions/{session_id}", proxy.session, methods=["GET"])
+    app.add_api_route("/leyline/sessions/{session_id}", proxy.end_session, methods=["DELETE"])
     app.add_api_route("/metrics", proxy.metrics, methods=["GET"])
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
     return app

@@ -16,6 +16,11 @@ rendered tokens the session adopts them (``SessionCore.finish``), counted in
 
 A turn whose splice ran is recorded (and written by ``--record``) even when the request after it
 fails or the client disconnects mid-stream: the cache changed, so the session state did too.
+
+Pins and forks (``retention.py``): a turn whose messages carry a ``cache_control`` marker pins
+the marked prefix after it is recorded (a streamed one after its stream ended, before the
+session's next turn); a new session's first request with ``X-Leyline-Fork-From: <id>`` starts from
+that session (404 when it is not a live session of the caller's tenant, nothing created).
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from leyline_agent.accounting import TurnRecord
 from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
 from leyline_agent.chat.request import max_new_tokens, request_error, template_kwargs
 from leyline_agent.directive import DirectiveError
+from leyline_agent.pins import Marker, cache_marker
 from leyline_agent.policies import PolicyError
 from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.backends import Backend
-from leyline_agent.proxy.identity import SESSION_HEADER
+from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER
 from leyline_agent.proxy.relay import StreamEnd, relay
 from leyline_agent.proxy.responses import backend_error, error_response, passthrough, unreachable
 from leyline_agent.proxy.sessions import ProxySession
@@ -60,9 +66,10 @@ class Turn:
         pending: Pending,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Any] | None,
+        marker: Marker | None = None,
     ) -> None:
         self.proxy, self.session, self.pending = proxy, session, pending
-        self.messages, self.tools = messages, tools
+        self.messages, self.tools, self.marker = messages, tools, marker
 
     def finish(
         self,
@@ -116,14 +123,21 @@ class Turn:
             self.finish(None, request_ms=request_ms, error=error)
 
     def stream_ended(self, end: StreamEnd) -> None:
-        """The end of a relayed stream: record the turn, then release the session."""
+        """The end of a relayed stream: record the turn, then (after its pin, when marked)
+        release the session."""
+        pinning = False
         try:
-            self.finish(
+            record = self.finish(
                 end.usage, request_ms=end.request_ms, ttft_ms=end.ttft_ms,
                 prompt_ids=end.prompt_ids, error=end.error,
             )  # fmt: skip
+            if self.marker is not None and record.error is None:
+                retention = self.proxy.retention
+                retention.spawn(retention.pin_then_release(self.session, self.pending, self.marker))
+                pinning = True
         finally:
-            self.session.lock.release()
+            if not pinning:
+                self.session.lock.release()
 
 
 async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
@@ -144,15 +158,33 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     if salt is not None and not isinstance(salt, str):
         return error_response(400, "'cache_salt' must be a string", "invalid_request_error")
     context_len = await proxy.context_len()
+    header = request.headers.get(SESSION_HEADER)
+    user = user if isinstance(user, str) and user else None
+    tenant = tenant_of(request)
+    parent = None
+    fork_from = request.headers.get(FORK_HEADER)
+    if fork_from:
+        parent = proxy.registry.get(fork_from, tenant)
+        existing = proxy.registry.named(header=header, user=user, tenant=tenant)
+        if existing is not None and (existing.core.records or existing.forked_from):
+            parent = None  # NOTE: read on a session's first request only
+        elif parent is None:
+            return error_response(
+                404, f"{FORK_HEADER}: no live session {fork_from!r} to fork from", "not_found"
+            )
+        elif parent is existing:
+            return error_response(
+                400, f"{FORK_HEADER}: a session cannot fork from itself", "invalid_request_error"
+            )
     session = proxy.registry.resolve(
-        messages,
-        header=request.headers.get(SESSION_HEADER),
-        user=user if isinstance(user, str) and user else None,
-        tenant=tenant_of(request),
-        cache_salt=salt,
-    )
+        messages, header=header, user=user, tenant=tenant, cache_salt=salt,
+        fresh=parent is not None,
+    )  # fmt: skip
     headers = {SESSION_HEADER: session.id}
     await session.lock.acquire()
+    if parent is not None and not session.core.records and session.forked_from is None:
+        await proxy.retention.fork_session(parent, session, salt)
+    marker = cache_marker(messages)
     handed_over = False  # the streaming relay releases the lock when it ends
     turn: Turn | None = None
     t0 = time.perf_counter()
@@ -177,7 +209,7 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
             return error_response(
                 400, f"cannot apply the policy: {e}", "invalid_request_error", headers
             )
-        turn = Turn(proxy, session, pending, messages, tools)
+        turn = Turn(proxy, session, pending, messages, tools, marker)
         forward = session.core.chat_body(pending, body)
         t0 = time.perf_counter()
         if body.get("stream"):
@@ -214,7 +246,9 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
         data = r.json()
         keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
         ids = pop_prompt_ids(data, keep=keep)
-        turn.finish(data, request_ms=request_ms, prompt_ids=ids)
+        record = turn.finish(data, request_ms=request_ms, prompt_ids=ids)
+        if marker is not None and record.error is None:
+            await proxy.retention.pin_turn(session, pending, marker)
         return JSONResponse(data, headers=headers)
 
     try:

@@ -5,8 +5,9 @@ in which messages are compared when an anonymous request is matched to a session
 The mapping is injective: every component is percent-escaped (``urllib.parse.quote`` with no safe
 characters, so the escaped text has no ``:``) before it is joined, so two different keys never
 share a namespace, a public id or a record file. The namespace on the backend is
-``leyline:<tenant>:<kind>:<name>`` (escaped) together with the client's ``cache_salt``: one value
-``(extra_key, cache_salt)`` for the chat request and the splice alike. The public id (the
+``leyline:<tenant>:<kind>:<name>`` (escaped) together with the client's ``cache_salt``; until its
+first splice a session's requests use the tenant's shared namespace ``leyline:<tenant>:shared``
+instead (exact KV is shared within a tenant and salt, amortized KV never; ``session.py``). The public id (the
 ``X-Leyline-Session`` answer header, ``/leyline/sessions/{id}``) is the escaped name for a header
 session (a plain name such as ``dg-1a2b-splice-config`` is unchanged) and ``user:<escaped>`` or
 ``anon:<hex>`` otherwise, so a header ``user:u1`` (public id ``user%3Au1``) is not the ``user``
@@ -21,6 +22,7 @@ from typing import Any, Literal, NamedTuple
 from urllib.parse import quote
 
 SESSION_HEADER = "X-Leyline-Session"
+FORK_HEADER = "X-Leyline-Fork-From"  # a new session's first request: start from this session
 Kind = Literal["header", "user", "anon"]
 
 
@@ -43,8 +45,14 @@ class SessionKey(NamedTuple):
 
     @property
     def namespace(self) -> str:
-        """The backend's ``extra_key`` of the session."""
+        """The backend's ``extra_key`` of the session (its own, private one)."""
         return f"leyline:{escape(self.tenant)}:{self.kind}:{escape(self.name)}"
+
+    @property
+    def shared_namespace(self) -> str:
+        """The tenant's namespace of exact KV, which the session uses until its first splice
+        (``SessionCore``); three parts, so no session's own namespace (four) is it."""
+        return f"leyline:{escape(self.tenant)}:shared"
 
 
 def match_form(message: Mapping[str, Any]) -> dict[str, Any]:

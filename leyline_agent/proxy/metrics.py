@@ -9,6 +9,9 @@ the answers' ``usage.prompt_tokens_details.cached_tokens``).
 prompt tokens differed from the rendered ones / after which the session adopted the backend's.
 ``leyline_proxy_backend_*{backend="<url>"}`` (``render_backends``, proxy-wide): per backend,
 requests forwarded, errors, sessions that failed over away from it, live sessions on it, up.
+``leyline_proxy_pins_*`` and ``leyline_proxy_forks_*`` (``render_retention``, proxy-wide): pins
+made, refused by the server's cap (429), refused otherwise, released at session end; forks,
+forks that copied the parent's KV, forks that started cold.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from leyline_agent.proxy.sessions import ProxySession, SessionRegistry
 
 if TYPE_CHECKING:
     from leyline_agent.proxy.backends import Backend, BackendPool
+    from leyline_agent.proxy.retention import RetentionCounters
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -164,4 +168,24 @@ def render_backends(pool: BackendPool, sessions: Iterable[ProxySession]) -> str:
     for name, kind, help_, value in families:
         samples = [(f'{{backend="{_label(b.url)}"}}', value(b)) for b in bs]
         out += _family(f"leyline_proxy_backend_{name}", kind, help_, samples)
+    return "\n".join(out) + "\n"
+
+
+_RETENTION: tuple[tuple[str, str, str], ...] = (
+    ("pins", "pins_total", "Pins made from cache_control markers (each renewal counts)."),
+    ("pins_refused", "pins_refused_total", "Pins refused by the server's cap on pinned slots "
+     "(429)."),
+    ("pin_errors", "pin_errors_total", "Pins refused otherwise (not cached, unreachable)."),
+    ("pins_released", "pins_released_total", "Pins released when their session ended."),
+    ("forks", "forks_total", "Sessions started from another one (X-Leyline-Fork-From)."),
+    ("fork_copies", "fork_copies_total", "Forks that copied a private parent's KV."),
+    ("fork_misses", "fork_misses_total", "Forks that started cold (copy refused, other salt)."),
+)  # fmt: skip
+
+
+def render_retention(counters: RetentionCounters) -> str:
+    """The proxy-wide pin and fork counters."""
+    out: list[str] = []
+    for attr, suffix, help_ in _RETENTION:
+        out += _family(f"leyline_proxy_{suffix}", "counter", help_, [("", getattr(counters, attr))])
     return "\n".join(out) + "\n"

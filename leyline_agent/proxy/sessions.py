@@ -14,8 +14,11 @@ Named sessions (1, 2) are never matched by prefix, so an anonymous agent cannot 
 Every session owns a :class:`SessionCore` and an ``asyncio.Lock``: the turns of one session run
 one at a time (``begin`` → request → ``finish``), different sessions concurrently. The
 registry's own table is guarded by a ``threading.Lock``. Past ``max_sessions`` the least recently
-used idle session is dropped; its totals are kept in ``SessionRegistry.retired`` (and per
-tenant) so that totals never go down.
+used idle session is dropped (as is one ended by ``remove``, ``DELETE /leyline/sessions/{id}``);
+its totals are kept in ``SessionRegistry.retired`` (and per tenant) so that totals never go down,
+and ``on_drop`` is called with it (the proxy releases its pins).
+
+A request forking a new session (``fresh``) is never matched to an anonymous one.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class ProxySession:
     last_used: float = field(default_factory=time.monotonic)
     warned: bool = False  # logged that the backend's prompt differs from the rendered one
     backend: str | None = None  # the URL of the backend holding its KV (``backends.py``)
+    forked_from: str | None = None  # the public id of the session it was forked from
     # the committed messages last seen by committed_form(), their match forms, cumulative sizes
     _seen: list[dict[str, Any]] | None = field(default=None, repr=False)
     _form: tuple[list[dict[str, Any]], list[int]] = field(
@@ -88,6 +92,10 @@ class ProxySession:
             "id": self.id,
             "tenant": self.tenant,
             "namespace": self.core.namespace,
+            "request_namespace": self.core.request_namespace,
+            "private": self.core.private,
+            "forked_from": self.forked_from,
+            "pin": self.core.pinned.model_dump() if self.core.pinned else None,
             "backend": self.backend,
             "source": self.source,
             "splice": self.core.splice_enabled,
@@ -105,9 +113,11 @@ class SessionRegistry:
     """Live sessions by :class:`SessionKey`.
 
     Args:
-        new_core: builds the ``SessionCore`` of a new session from its public id and namespace.
+        new_core: builds the ``SessionCore`` of a new session from its public id and namespace
+            (the registry then sets its salt and its tenant's shared namespace).
         max_sessions: live sessions kept; past it the least recently used idle one is dropped.
         min_shared: see ``_match``.
+        on_drop: called with every session dropped or removed, outside the registry's lock.
     """
 
     def __init__(
@@ -116,6 +126,7 @@ class SessionRegistry:
         *,
         max_sessions: int = 1024,
         min_shared: float = MIN_SHARED,
+        on_drop: Callable[[ProxySession], None] | None = None,
     ):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -124,11 +135,13 @@ class SessionRegistry:
         self._new_core = new_core
         self._max = max_sessions
         self._min_shared = min_shared
+        self._on_drop = on_drop
         self._sessions: dict[SessionKey, ProxySession] = {}
         self._lock = threading.Lock()
         self.retired = Totals()
         self._retired_by_tenant: dict[str, Totals] = {}
         self.created = 0
+        self._dropped: list[ProxySession] = []  # dropped under the lock, notified after it
         self._created_by_tenant: Counter[str] = Counter()
 
     def resolve(
@@ -139,11 +152,13 @@ class SessionRegistry:
         user: str | None = None,
         tenant: str = DEFAULT_TENANT,
         cache_salt: str | None = None,
+        fresh: bool = False,
     ) -> ProxySession:
         """The session a request belongs to (created if needed); see the module docstring.
 
         ``cache_salt`` is the salt a new session starts with and the one an anonymous match
         requires; a named session's salt is set by its turn (``SessionCore.set_cache_salt``).
+        ``fresh``: an unnamed request starts a new session (a fork), never matched.
         """
         cache_salt = cache_salt or None
         with self._lock:
@@ -152,11 +167,43 @@ class SessionRegistry:
                 key = SessionKey(tenant, kind, header or user or "")
                 session = self._sessions.get(key) or self._add(key, kind, cache_salt)
             else:
-                session = self._match(messages, tenant, cache_salt) or self._add(
+                found = None if fresh else self._match(messages, tenant, cache_salt)
+                session = found or self._add(
                     SessionKey(tenant, "anon", uuid.uuid4().hex), "new", cache_salt
                 )
             session.last_used = time.monotonic()
-            return session
+            dropped, self._dropped = self._dropped, []
+        self._notify(dropped)
+        return session
+
+    def named(
+        self, *, header: str | None = None, user: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> ProxySession | None:
+        """The live named session a request with ``header``/``user`` resolves to, if any."""
+        if not (header or user):
+            return None
+        key = SessionKey(tenant, "header" if header else "user", header or user or "")
+        with self._lock:
+            return self._sessions.get(key)
+
+    def remove(self, session: ProxySession) -> None:
+        """End ``session``: dropped like the least recently used (totals kept, ``on_drop``)."""
+        with self._lock:
+            if self._sessions.get(session.key) is not session:
+                return
+            self._retire(session)
+        self._notify([session])
+
+    def _retire(self, old: ProxySession) -> None:
+        del self._sessions[old.key]
+        counters = Totals.of(old.core.records)
+        self.retired.merge(counters)
+        self._retired_by_tenant.setdefault(old.tenant, Totals()).merge(counters)
+
+    def _notify(self, dropped: list[ProxySession]) -> None:
+        if self._on_drop is not None:
+            for old in dropped:
+                self._on_drop(old)
 
     def _match(
         self, messages: Sequence[Mapping[str, Any]], tenant: str, cache_salt: str | None
@@ -204,6 +251,7 @@ class SessionRegistry:
         """A new session; ``source`` is how it was found (a named key's kind, or ``new``)."""
         core = self._new_core(key.public_id, key.namespace)
         core.cache_salt = cache_salt
+        core.shared_namespace = key.shared_namespace
         session = ProxySession(key, core, source)
         self._sessions[key] = session
         self.created += 1
@@ -213,10 +261,8 @@ class SessionRegistry:
             key=lambda s: s.last_used,
         )
         for old in idle[: max(0, len(self._sessions) - self._max)]:
-            del self._sessions[old.key]
-            counters = Totals.of(old.core.records)
-            self.retired.merge(counters)
-            self._retired_by_tenant.setdefault(old.tenant, Totals()).merge(counters)
+            self._retire(old)
+            self._dropped.append(old)
         return session
 
     def get(self, session_id: str, tenant: str = DEFAULT_TENANT) -> ProxySession | None:

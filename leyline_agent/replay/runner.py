@@ -3,7 +3,9 @@
 Arms (``leyline_agent.arms``), teacher-forced: each turn sends the recorded message list and
 generates one token.
 
-Every session has its own namespace (``extra_key``), so arms and levels never share cache entries.
+Every session has its own namespace (``extra_key``) from its first request (``share_exact=False``:
+no tenant-wide shared namespace), so arms and levels never share cache entries: the arms replay
+the same traces, and a shared namespace would hand one arm the prefixes another prefilled.
 At concurrency level ``c`` the sessions of one level run on a pool of ``c`` threads (sessions run
 in parallel; the turns of one session stay in order). With several backends each session runs on
 its namespace's home backend (``routing.home``, the proxy's session-affine assignment), its
@@ -73,6 +75,7 @@ def replay_session(
         ConversationWrapper(renderer, switch.policy),
         session_id=session_id,
         splice=switch.splice,
+        share_exact=False,
     )
     reference_ns = f"{core.namespace}:ref"
     rows: list[TurnRow] = []

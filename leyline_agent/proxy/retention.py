@@ -1,0 +1,134 @@
+"""Pins and forks in the proxy: ``cache_control`` markers become pins, ``X-Leyline-Fork-From``
+starts a session from another one, and an ended session's pins are released.
+
+- **Pin** (``pin_turn``): after a turn whose messages carry an ephemeral ``cache_control`` marker
+  (``pins.cache_marker``), the prompt up to the end of the last marked message is pinned on the
+  session's backend for the marker's TTL (300 s by default); one pin per session, renewed every
+  marked turn (the new one first, then the old one released). A refusal, the server's cap on
+  pinned slots (429) included, is logged and counted, never an error of the client's request.
+- **Fork** (``fork_session``): a new session's first request naming a parent starts from the
+  parent's history (``SessionCore.adopt``); it is routed to the parent's backend, where a private
+  parent's KV is copied into its namespace (``POST /leyline/fork``). A refused fork (the parent's
+  KV evicted) leaves the child cold, counted in ``fork_misses``.
+- **Release** (``release_session``): a session dropped by the registry or ended by
+  ``DELETE /leyline/sessions/{id}`` releases its pins (``/leyline/unpin`` by owner: its
+  namespace); otherwise they expire with their TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+
+from leyline_agent.client import ForkRejected, PinRejected
+from leyline_agent.pins import Marker
+from leyline_agent.session import Pending
+
+if TYPE_CHECKING:
+    from leyline_agent.proxy.sessions import ProxySession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetentionCounters:
+    """Pins and forks over every session the proxy served (``/metrics``)."""
+
+    pins: int = 0  # pins made (each renewal counts)
+    pins_refused: int = 0  # refused by the server's cap (429)
+    pin_errors: int = 0  # refused otherwise (409 not cached, unreachable, ...)
+    pins_released: int = 0  # released by /leyline/unpin when a session ended
+    forks: int = 0  # sessions started from another one
+    fork_copies: int = 0  # ... whose parent's KV was copied (a private parent)
+    fork_misses: int = 0  # ... whose copy was refused (the child started cold)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, **deltas: int) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+class Retention:
+    """The proxy's pins and forks (module docstring)."""
+
+    def __init__(self) -> None:
+        self.counters = RetentionCounters()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def pin_turn(self, session: ProxySession, pending: Pending, marker: Marker) -> None:
+        """Pin the marked prefix of the turn just finished (see ``SessionCore.pin_marked``)."""
+        try:
+            pin = await anyio.to_thread.run_sync(session.core.pin_marked, pending, marker)
+        except PinRejected as e:
+            refused = e.status == 429
+            self.counters.count(pins_refused=refused, pin_errors=not refused)
+            log.warning("session %s: pin refused: %s", session.id, e)
+            return
+        if pin is not None:
+            self.counters.count(pins=1)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background (held until done)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def pin_then_release(
+        self, session: ProxySession, pending: Pending, marker: Marker
+    ) -> None:
+        """A streamed turn's pin, after its stream ended; then the session's lock is released."""
+        try:
+            await self.pin_turn(session, pending, marker)
+        finally:
+            session.lock.release()
+
+    async def fork_session(
+        self, parent: ProxySession, child: ProxySession, cache_salt: str | None
+    ) -> str | None:
+        """Start ``child`` (new, its lock held) from ``parent`` (waits for its turn in flight);
+        the error when the child starts cold instead: the copy was refused, or the request's
+        ``cache_salt`` is not the parent's (another namespace: nothing of the parent's is
+        reachable from it)."""
+        async with parent.lock:
+            if parent.backend is not None:
+                child.backend = parent.backend
+                child.core.client = parent.core.client
+            child.forked_from = parent.id
+            self.counters.count(forks=1)
+            if (cache_salt or None) != parent.core.cache_salt:
+                self.counters.count(fork_misses=1)
+                return "the request's cache_salt is not the parent's"
+            try:
+                copied = await anyio.to_thread.run_sync(child.core.adopt, parent.core)
+            except ForkRejected as e:
+                self.counters.count(fork_misses=1)
+                log.warning("session %s: fork from %s refused: %s", child.id, parent.id, e)
+                return str(e)
+            self.counters.count(fork_copies=copied is not None)
+            return None
+
+    def release_session(self, session: ProxySession) -> None:
+        """``SessionRegistry``'s ``on_drop``: release the session's pins in the background."""
+        if session.core.pinned is None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the registry used outside the app
+            log.warning("session %s ended outside the event loop: pins left to expire", session.id)
+            return
+        self.spawn(self._release(session))
+
+    async def _release(self, session: ProxySession) -> None:
+        try:
+            released = await anyio.to_thread.run_sync(session.core.release_pins)
+        except PinRejected as e:
+            log.warning("session %s: releasing its pins failed: %s", session.id, e)
+            return
+        self.counters.count(pins_released=released)

@@ -1,0 +1,233 @@
+"""Sharing, pins and forks on the agent side, without a server: ``cache_control`` markers
+(``pins.py``), a session's namespaces (shared until its first splice, then its own), its one
+renewed pin, ``adopt`` (a fork), and the proxy registry's fresh sessions, ends and drop hook.
+The same behaviours against a real server: ``tests/test_sharing_live.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_proxy import agent_conversation
+
+from leyline_agent.accounting import TurnRecord
+from leyline_agent.backends.sglang.wire import ForkResponse, PinResponse, SpliceResponse
+from leyline_agent.chat.openai import chat_request_view
+from leyline_agent.client import ForkRejected, LeylineClient
+from leyline_agent.pins import DEFAULT_TTL_S, Marker, cache_marker, marked_end, parse_ttl
+from leyline_agent.proxy import SessionRegistry
+from leyline_agent.proxy.identity import SessionKey
+from leyline_agent.proxy.metrics import render_retention
+from leyline_agent.proxy.retention import RetentionCounters
+from leyline_agent.session import SessionCore
+from leyline_agent.wrapper import ConversationWrapper
+
+EPHEMERAL = {"type": "ephemeral"}
+
+
+class FakeBackend(LeylineClient):
+    """Records every Leyline call; splices, forks and pins succeed unless ``refuse`` names
+    the call (then 409)."""
+
+    def __init__(self, refuse: str = "") -> None:
+        super().__init__("http://127.0.0.1:9")
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.refuse = refuse
+
+    def splice(self, tokens: Any, directives: Any, **kw: Any) -> SpliceResponse:
+        self.calls.append(("splice", kw))
+        return SpliceResponse(
+            new_length=len(tokens), prefix_reused=0, prefilled=0, rotated=0, in_place=True,
+            elapsed_ms=0.0,
+        )  # fmt: skip
+
+    def fork(self, tokens: Any, **kw: Any) -> ForkResponse:
+        self.calls.append(("fork", {"tokens": list(tokens), **kw}))
+        if self.refuse == "fork":
+            raise ForkRejected(409, "not cached")
+        return ForkResponse(new_length=len(tokens), copied=len(tokens), elapsed_ms=1.0)
+
+    def pin(self, tokens: Any, **kw: Any) -> PinResponse:
+        n = sum(name == "pin" for name, _ in self.calls)
+        self.calls.append(("pin", {"tokens": list(tokens), **kw}))
+        return PinResponse(
+            pin_id=f"p{n}", pinned_tokens=len(tokens), ttl_s=kw["ttl_s"], expires_at=0.0,
+            pinned_slots=len(tokens), pin_cap_slots=1000,
+        )  # fmt: skip
+
+    def unpin(self, pin_id: str | None = None, *, owner: str | None = None) -> int:
+        self.calls.append(("unpin", {"pin_id": pin_id, "owner": owner}))
+        return 1
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+def _core(client: LeylineClient, sid: str, policy: str = "stale_tool_outputs:keep_last=2"):
+    return SessionCore(client, ConversationWrapper(policy=policy), session_id=sid)
+
+
+def _turn(core: SessionCore, messages: list[dict[str, Any]]):
+    pending = core.begin(messages)
+    core.finish(pending, prompt_tokens=len(pending.plan.tokens), cached_tokens=0,
+                request_ms=0.0, messages=messages)  # fmt: skip
+    return pending
+
+
+# --- cache_control markers --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ttl, seconds",
+    [(None, DEFAULT_TTL_S), ("5m", 300.0), ("1h", 3600.0), ("90s", 90.0), (12, 12.0),
+     ("soon", DEFAULT_TTL_S), (0, DEFAULT_TTL_S), ("25h", DEFAULT_TTL_S)],
+)  # fmt: skip
+def test_ttl(ttl: Any, seconds: float) -> None:
+    assert parse_ttl(ttl) == seconds
+
+
+def test_the_last_marked_message_is_the_marker_and_never_reaches_the_template() -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "s", "cache_control": {**EPHEMERAL, "ttl": "1h"}},
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "text", "text": "b", "cache_control": EPHEMERAL}]},
+        {"role": "assistant", "content": "c"},
+        {"role": "user", "content": "d", "cache_control": {"type": "persistent"}},  # not ours
+    ]  # fmt: skip
+    assert cache_marker(messages) == Marker(1, DEFAULT_TTL_S)
+    assert cache_marker(messages[:1]) == Marker(0, 3600.0)
+    assert cache_marker([{"role": "user", "content": "x"}]) is None
+    view, _ = chat_request_view(messages, None)
+    assert "cache_control" not in repr(view)
+    assert messages[0]["cache_control"]["ttl"] == "1h"  # the input is left as it was
+
+
+def test_marked_end_is_the_last_sent_message_at_or_before_the_marker() -> None:
+    spans, sources = [(2, 5), (5, 9), (9, 14)], [0, 2, 3]  # message 1 was dropped by the policy
+    assert [marked_end(spans, sources, i) for i in range(5)] == [5, 5, 9, 14, 14]
+    assert marked_end(spans, [1, 2, 3], 0) == 0
+
+
+# --- namespaces -------------------------------------------------------------------------------
+
+
+def test_shared_until_the_first_splice_then_private() -> None:
+    client = FakeBackend()
+    core = _core(client, "a")
+    namespaces = []
+    for messages in agent_conversation():
+        pending = core.begin(messages)
+        namespaces.append(core.chat_body(pending, {})["extra_key"])
+        core.finish(pending, prompt_tokens=len(pending.plan.tokens), cached_tokens=0,
+                    request_ms=0.0)  # fmt: skip
+    first = namespaces.index("leyline:a")
+    assert namespaces[:first] == ["leyline:default:shared"] * first and core.private
+    splices = [kw for name, kw in client.calls if name == "splice"]
+    assert splices[0]["target_extra_key"] == "leyline:a"
+    assert splices[0]["extra_key"] == "leyline:default:shared"
+    core.move(FakeBackend(), "down")  # failover: the new backend holds nothing private
+    assert core.request_namespace == "leyline:default:shared" and core.pinned is None
+
+
+def test_sharing_off_is_the_own_namespace_from_the_first_request() -> None:
+    core = SessionCore(FakeBackend(), ConversationWrapper(), session_id="a", share_exact=False)
+    assert core.private and core.request_namespace == "leyline:a"
+    with pytest.raises(ValueError, match="shared namespace"):
+        SessionCore(FakeBackend(), ConversationWrapper(), namespace="x", shared_namespace="x")
+
+
+# --- pins -------------------------------------------------------------------------------------
+
+
+def test_one_pin_per_session_renewed_new_first_and_released_by_owner() -> None:
+    client = FakeBackend()
+    core = _core(client, "a", policy="none")
+    turns = agent_conversation()
+    pending = _turn(core, turns[0])
+    first = core.pin_marked(pending, Marker(0, 60.0))
+    assert first is not None and first.pinned_tokens == pending.plan.spans[0][1]
+    pending = _turn(core, turns[1])
+    second = core.pin_marked(pending, Marker(len(turns[1]) - 1, 300.0))
+    assert second is not None and second.pinned_tokens == pending.plan.spans[-1][1]
+    assert client.names() == ["pin", "pin", "unpin"]  # the new one first, then the old one
+    assert client.calls[2][1] == {"pin_id": first.pin_id, "owner": None}
+    pin = client.calls[1][1]
+    assert (pin["owner"], pin["extra_key"], pin["ttl_s"]) == ("leyline:a", core.request_namespace,
+                                                              300.0)  # fmt: skip
+    assert core.release_pins() == 1 and core.pinned is None
+    assert client.calls[-1] == ("unpin", {"pin_id": None, "owner": "leyline:a"})
+
+
+# --- forks ------------------------------------------------------------------------------------
+
+
+def test_fork_of_a_shared_parent_copies_nothing() -> None:
+    client = FakeBackend()
+    parent, child = _core(client, "p", "none"), _core(client, "c", "none")
+    _turn(parent, agent_conversation()[0])
+    assert child.adopt(parent) is None and "fork" not in client.names()
+    assert child.wrapper.tokens == parent.wrapper.tokens and not child.private
+    assert child.request_namespace == parent.request_namespace
+    turn = agent_conversation()[1]
+    pending = child.begin(turn)
+    assert len(pending.plan.tail) < len(pending.plan.tokens)  # diffs against the parent's history
+
+
+def test_fork_of_a_private_parent_copies_its_kv_into_the_child() -> None:
+    client = FakeBackend()
+    parent, child = _core(client, "p"), _core(client, "c")
+    for messages in agent_conversation():
+        _turn(parent, messages)
+    assert parent.private
+    copied = child.adopt(parent)
+    assert copied is not None and child.private and child.request_namespace == "leyline:c"
+    fork = client.calls[-1][1]
+    assert fork == {"tokens": parent.wrapper.tokens, "extra_key": "leyline:p",
+                    "target_extra_key": "leyline:c", "cache_salt": None}  # fmt: skip
+    refused = FakeBackend(refuse="fork")
+    cold = _core(refused, "d")
+    parent.client = refused
+    with pytest.raises(ForkRejected):
+        cold.adopt(parent)
+    assert cold.wrapper.tokens == [] and not cold.private  # nothing adopted
+    with pytest.raises(ValueError, match="itself"):
+        parent.adopt(parent)
+
+
+# --- proxy registry ---------------------------------------------------------------------------
+
+
+def test_registry_fresh_named_and_ended_sessions() -> None:
+    dropped: list[str] = []
+    reg = SessionRegistry(
+        lambda sid, ns: _core(FakeBackend(), sid),
+        max_sessions=2,
+        on_drop=lambda s: dropped.append(s.id),
+    )
+    m = agent_conversation()[-1]
+    a = reg.resolve(m[:2])
+    a.core.messages = m[:2]
+    assert reg.resolve(m) is a and reg.resolve(m, fresh=True) is not a
+    assert a.core.shared_namespace == SessionKey("default", "anon", "").shared_namespace
+    named = reg.resolve(m, header="h")
+    assert reg.named(header="h") is named and reg.named(user="h") is None
+    assert len(dropped) == 1  # the least recently used of three, past max_sessions=2
+    named.core.records.append(_record())
+    reg.remove(named)
+    assert dropped[-1] == "h" and reg.get("h") is None
+    assert reg.totals().turns == 1  # an ended session's counters stay in the totals
+
+
+def _record() -> TurnRecord:
+    return TurnRecord(turn=0, prompt_tokens=10, server_cached_tokens=0, prefilled_tokens=10,
+                      reused_tokens=0, best_reused_tokens=10)  # fmt: skip
+
+
+def test_retention_metrics_parse() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = RetentionCounters()
+    counters.count(pins=2, pins_refused=1, forks=1)
+    families = {f.name: f for f in text_string_to_metric_families(render_retention(counters))}
+    assert families["leyline_proxy_pins"].samples[0].value == 2
+    assert families["leyline_proxy_pins_refused"].samples[0].value == 1
