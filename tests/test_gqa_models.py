@@ -4,8 +4,10 @@ the released ones, dummy weights, bf16, 2 layers, a 4,096-token pool), started o
 On each: AMORTIZE leaves the whole spliced sequence cached, K's rotary dims within 1 bf16 ulp of
 the exact rotation of the old rows (with the spec the server reports, which must match the HF
 config), K's other dims and V bit-identical; FORGET equals a fresh prefill; bad input is refused
-with a 4xx and changes nothing (``leyline_agent/testing/model_check.py``). And a KV cache the
-splice cannot edit (fp8) is refused with 501 before anything is allocated.
+with a 4xx and changes nothing (``leyline_agent/testing/model_check.py``). And what a splice
+cannot edit is refused with 501 and a reason before anything is allocated, the cache, its
+counters and the scheduler as before: an fp8 KV cache, a model with sliding-window layers
+(Gemma-2: every other layer has a 64-token window), a pool with ``--page-size 2``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from requires import require_sglang
 
 from leyline_agent.kernels.rope import RopeSpec, inv_freq
 from leyline_agent.testing import model_check
-from leyline_agent.testing.tiny_models import EXPECTED_ROPE, FAMILIES, write_tiny_model
+from leyline_agent.testing.tiny_models import (
+    EXPECTED_ROPE,
+    FAMILIES,
+    REFUSED_FAMILIES,
+    write_tiny_model,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
@@ -70,17 +77,43 @@ def test_family_splices_are_exact(family: str, tmp_path: Path) -> None:
         print(json.dumps({"family": family, **amortize, **forget}))  # the figures (pytest -s)
 
 
+def assert_refused_unchanged(c: httpx.Client, reason: str, *, integrity: bool = True) -> None:
+    """Cache 200 tokens, then an AMORTIZE and a FORGET splice of them: both 501 naming ``reason``,
+    the stats (integrity counters, splice counters) as before, the scheduler alive after SGLang's
+    idle check, and the sequence still cached. ``integrity``: also require the counters' identity
+    (free + cached + in use == total), which ``/leyline/stats`` computes for page size 1 only."""
+    key = ns()
+    toks = seq(200, 40)
+    gen(c, toks, key)
+    st0 = stats(c)
+    assert st0["ok"] or not integrity, st0
+    for mode in ("amortize", "forget"):
+        d = {"start": 40, "end": 90, "replacement": seq(4, 41), "mode": mode}
+        r = splice(c, toks, [d], key)
+        assert r.status_code == 501, (mode, r.text)
+        assert reason in r.json()["error"], r.json()
+        print(json.dumps({"mode": mode, "status": r.status_code, **r.json()}))  # pytest -s
+    assert stats(c) == st0
+    time.sleep(6)  # SGLang's idle check runs while idle; a leak would kill the scheduler
+    assert c.get("/health").status_code == 200
+    assert gen(c, toks + [5], key)["cached_tokens"] == 200
+
+
 def test_fp8_kv_cache_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / "qwen3", "qwen3")
     for c in serve(model_dir, "--kv-cache-dtype", "fp8_e4m3"):
-        key = ns()
-        toks = seq(200, 40)
-        gen(c, toks, key)
-        st0 = stats(c)
-        r = splice(c, toks, [{"start": 40, "end": 90, "replacement": seq(4, 41)}], key)
-        assert r.status_code == 501, r.text
-        assert "fp8" in r.json()["error"]
-        assert stats(c) == st0 and st0["ok"]
-        time.sleep(6)  # SGLang's idle check runs while idle; a leak would kill the scheduler
-        assert c.get("/health").status_code == 200
-        assert gen(c, toks + [5], key)["cached_tokens"] == 200
+        assert_refused_unchanged(c, "fp8")
+
+
+def test_sliding_window_model_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:
+    assert "gemma2-swa" in REFUSED_FAMILIES
+    model_dir = write_tiny_model(tmp_path / "gemma2", "gemma2-swa")
+    for c in serve(model_dir):
+        assert_refused_unchanged(c, "sliding-window")
+
+
+def test_page_size_2_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "qwen3", "qwen3")
+    for c in serve(model_dir, "--page-size", "2"):
+        # NOTE: /leyline/stats counts free slots in pages here (free + cached + in_use != total)
+        assert_refused_unchanged(c, "--page-size 1", integrity=False)

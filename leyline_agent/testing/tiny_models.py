@@ -74,6 +74,27 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Families a splice must refuse (501), served by tests/test_gqa_models.py. Gemma-2 alternates
+# sliding-window (even layers) and global layers in one plain MHA pool: SGLang sets the window on
+# the layer's RadixAttention (window - 1 = 63 here), which ``kv_layout.check_full_attention``
+# reads. (Llama/Mistral/Qwen2 ignore ``sliding_window`` in SGLang 0.5.23: full attention.) Soft
+# caps off: the CPU attention backends do not apply them.
+REFUSED_FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma2-swa": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "sliding_window": 64,
+        "query_pre_attn_scalar": 32,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": True,
+    },
+}
+
 # What each family's keys must come out as (read from SGLang's model code, not from the server).
 EXPECTED_ROPE: dict[str, dict[str, Any]] = {
     "qwen3": {"rotary_dim": 32, "pairing": "neox", "scaling": "none"},
@@ -87,16 +108,18 @@ EXPECTED_ROPE: dict[str, dict[str, Any]] = {
 def write_tiny_model(directory: Path, family: str, **overrides: Any) -> Path:
     """Write ``config.json`` for ``family`` (2 layers, GQA 4/2 heads) plus the embedded tokenizer.
 
-    ``overrides`` replace config keys. Returns ``directory``. Serve it with ``--dummy``.
+    ``family``: a key of ``FAMILIES`` or ``REFUSED_FAMILIES``. ``overrides`` replace config keys.
+    Returns ``directory``. Serve it with ``--dummy``. Raises ``ValueError`` on an unknown family.
     """
     from leyline_agent.embedded.model import copy_tokenizer
     from leyline_agent.embedded.tokenizer import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
+    families = FAMILIES | REFUSED_FAMILIES
+    if family not in families:
+        raise ValueError(f"unknown family {family!r}; one of {sorted(families)}")
     cfg = {
         **_BASE,
-        **FAMILIES[family],
+        **families[family],
         "vocab_size": DEFAULT_VOCAB_SIZE,
         "eos_token_id": DEFAULT_EOS_TOKEN_ID,
         **overrides,
