@@ -107,7 +107,12 @@ def expected_plans(policy: str, turns: list[list[dict[str, Any]]]) -> list[TurnP
 
 @contextmanager
 def serve_proxy(backend: str, policy: str, **kwargs: Any) -> Iterator[str]:
-    """The proxy app served by uvicorn in a background thread; yields its base URL."""
+    """The proxy app served by uvicorn in a background thread; yields its base URL.
+
+    NOTE: ``share_exact`` is off unless given: these tests replay one conversation in many
+    sessions and assert each session's own cache figures; sharing exact KV across sessions is
+    tested in ``test_sharing_live.py``."""
+    kwargs.setdefault("share_exact", False)
     port = free_port()
     config = uvicorn.Config(
         create_app(backend, policy, **kwargs), host="127.0.0.1", port=port, log_level="warning"
