@@ -83,6 +83,6 @@ def test_compare_table_has_a_row_per_group_and_arch() -> None:
     lines = report.compare_table(benches).splitlines()
     assert len(lines) == 1 + 6 * 2  # header, (4 kinds + real + control) x 2 runs
     carried = [ln.split() for ln in lines if ln.startswith("carried ")]
-    assert [c[1] for c in carried] == ["float32", "gqa-float32"]
+    assert [c[1] for c in carried] == ["mla-float32", "gqa-float32"]
     assert carried[0][5] == "90.0%" and carried[1][5] == "100.0%"  # agree AMORTIZE
     assert carried[0][8] == "10.0%"  # agree FORGET

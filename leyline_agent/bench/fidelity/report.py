@@ -55,9 +55,9 @@ def bench_label(arch: str, dtype: str) -> str:
 
 
 def compare_table(benches: dict[str, dict[str, Any]]) -> str:
-    """One row per case group and run (label): accuracy of the full context (server, and
-    transformers when checked), argmax agreement with it and accuracy of AMORTIZE / FORGET,
-    mean KL(full ‖ path) in nats. Rates in %, agreement with its 95% Wilson interval."""
+    """One row per case group and run (``<arch>-<dtype>``): accuracy of the full context
+    (server, and transformers when checked), argmax agreement with it and accuracy of AMORTIZE /
+    FORGET, mean KL(full ‖ path) in nats. Rates in %, agreement with its 95% Wilson interval."""
     head = (
         f"{'group':<14}{'run':<16}{'n':>5}{'acc full':>10}{'(hf)':>7}"
         f"{'agree A [95% CI]':>24}{'agree F [95% CI]':>24}{'acc A':>8}{'acc F':>8}"
@@ -69,6 +69,7 @@ def compare_table(benches: dict[str, dict[str, Any]]) -> str:
             g = res["summary"].get(group)
             if g is None:
                 continue
+            run = f"{res.get('arch', 'mla')}-{res.get('dtype', label)}"
             hf = g.get("accuracy_full_hf")
             cells = []
             for path in divergence.PATHS:
@@ -76,7 +77,7 @@ def compare_table(benches: dict[str, dict[str, Any]]) -> str:
                 lo, hi = a["ci95"]
                 cells.append(f"{a['rate']:.1%} [{lo:.1%}, {hi:.1%}]")
             lines.append(
-                f"{group:<14}{label:<16}{g['n']:>5}{g['accuracy_full']['rate']:>10.1%}"
+                f"{group:<14}{run:<16}{g['n']:>5}{g['accuracy_full']['rate']:>10.1%}"
                 + (f"{hf['rate']:>7.1%}" if hf else f"{'-':>7}")
                 + "".join(f"{c:>24}" for c in cells)
                 + f"{g['amortize']['accuracy']['rate']:>8.1%}{g['forget']['accuracy']['rate']:>8.1%}"
