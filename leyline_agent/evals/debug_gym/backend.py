@@ -112,8 +112,15 @@ class ProxyServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # NOTE: sharing off: the arms run on one backend, and each arm's prefilled tokens must
+        # be its own (no arm may hit another's exact KV in a shared namespace)
         app = create_app(
-            backend, policy, splice=splice, model_path=model_path, backend_api_key=backend_api_key
+            backend,
+            policy,
+            splice=splice,
+            model_path=model_path,
+            backend_api_key=backend_api_key,
+            share_exact=False,
         )
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
