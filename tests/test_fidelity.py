@@ -1,11 +1,12 @@
-"""The fidelity experiment end to end at CI size: a trained tiny MLA model served by a real
-``leyline serve`` (CPU, fp32), 20 cases per kind through the three paths (full context, AMORTIZE,
-FORGET), then the report.
+"""The fidelity experiment end to end at CI size, once per architecture: a trained tiny MLA
+(DeepSeek-V2) and GQA (Llama, 4 query / 2 KV heads) model, each served by a real ``leyline
+serve`` (CPU, fp32), 20 cases per kind through the three paths (full context, AMORTIZE, FORGET),
+checked against transformers' own argmax, then the report.
 
 The model: the default one if ``leyline_agent/bench/fidelity/train.py`` has already cached it
 (``$LEYLINE_CACHE/fidelity-model/<hash>``), else a 400-step model trained here (seed 0, one
-thread, ~0.25 s of CPU per step) and cached the same way, so reruns do not retrain. 300 steps do
-not learn the ``carried`` lookup; see docs/fidelity.md.
+thread, ~0.1-0.25 s of CPU per step) and cached the same way, so reruns do not retrain. 300 steps
+do not learn the MLA model's ``carried`` lookup; see docs/fidelity.md.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ TEST_STEPS = 400
 N = 20
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
+@pytest.fixture(scope="module", params=training.ARCHS)
+def model_dir(request: pytest.FixtureRequest) -> Path:
     require_sglang()
     import torch
 
     torch.set_num_threads(1)
-    default = training.TrainSpec()
+    default = dataclasses.replace(training.TrainSpec(), arch=request.param)
     if (training.default_out(default, TaskSpec()) / "fidelity.json").is_file():
         return training.train(default).model_dir
     return training.train(dataclasses.replace(default, steps=TEST_STEPS)).model_dir
@@ -76,7 +77,11 @@ def test_model_learned_the_task(model_dir: Path) -> None:
     for kind, row in info["accuracy"].items():
         assert row["full"] >= 0.5, (kind, row)  # chance is 1/16
     cfg = json.loads((model_dir / "config.json").read_text())
-    assert cfg["kv_lora_rank"] and cfg["qk_rope_head_dim"] and cfg["q_lora_rank"] is None
+    if info["train"]["arch"] == "mla":
+        assert cfg["kv_lora_rank"] and cfg["qk_rope_head_dim"] and cfg["q_lora_rank"] is None
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLM"]
+        assert cfg["num_key_value_heads"] == 2 < cfg["num_attention_heads"] == 4
     assert (model_dir / "model.safetensors").is_file()
 
 
@@ -90,6 +95,12 @@ def test_splice_mechanics_hold_on_every_case(result: dict[str, Any]) -> None:
     # FORGET is a re-prefill: it matches a fresh prefill of the edited context
     assert checks["forget_vs_fresh_kl_max"] < 1e-3
     assert checks["forget_vs_fresh_argmax_agree"] == mech["n"]
+    # SGLang serves the trained checkpoint as transformers computes it (fp32 both)
+    assert checks["server_vs_hf_full_argmax_agree"] == mech["n"]
+    assert checks["server_vs_hf_fresh_argmax_agree"] == mech["n"]
+    for kind in KINDS:
+        g = s[kind]
+        assert g["accuracy_full"]["k"] == g["accuracy_full_hf"]["k"], kind
 
 
 def test_controls_amortize_follows_full_context(result: dict[str, Any]) -> None:
@@ -108,6 +119,7 @@ def test_carried_fact_survives_amortize_and_not_forget(result: dict[str, Any]) -
 
 
 def test_report_is_consistent(result: dict[str, Any], tmp_path: Path) -> None:
+    assert result["arch"] in training.ARCHS
     results, text = report.build(tmp_path, {"float32": result})
     print(text)  # shown with -rA / -s
     assert report.consistency_errors(result) == []
