@@ -209,3 +209,22 @@ def test_reset_drops_every_pin() -> None:
     tree.reset()  # the scheduler's flush_cache also resets the allocator; the tree is empty
     assert len(tree.pins) == 0 and tree.pins.pinned_slots() == 0
     assert int(tree.protected_size_) == 0 and not tree.root_node.children
+
+
+def test_free_slots_expands_pages_of_a_paged_allocator() -> None:
+    """``/leyline/stats`` counts slots: a paged allocator's free list holds page ids."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    from leyline_agent.backends.sglang.integrity import free_slots
+
+    alloc = PagedTokenToKVPoolAllocator(32, 4, torch.bfloat16, "cpu", None, need_sort=False)
+    total_free = int(alloc.available_size())
+    taken = alloc.alloc(8)
+    free = free_slots(alloc)
+    assert int(free.numel()) == int(alloc.available_size()) == total_free - 8
+    assert len(set(free.tolist())) == int(free.numel())
+    assert not set(free.tolist()) & set(taken.tolist())
+    alloc.free(taken)
+    assert int(free_slots(alloc).numel()) == total_free
+    tok = TokenToKVPoolAllocator(32, torch.bfloat16, "cpu", None, need_sort=False)
+    assert int(free_slots(tok).numel()) == int(tok.available_size())

@@ -26,10 +26,16 @@ if TYPE_CHECKING:
 
 
 def free_slots(allocator: Any) -> torch.Tensor:
-    """The allocator's free list (``free_pages`` plus ``release_pages``), int64, any order."""
+    """The allocator's free slots, int64, any order: ``free_pages`` plus ``release_pages`` and
+    (paged allocators) ``staged_pages``, each page expanded to its ``page_size`` slots."""
+    staged = getattr(allocator, "staged_pages", None) or []
     parts = [getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None)]
-    parts = [p.to(torch.int64) for p in parts if p is not None and p.numel()]
-    return torch.cat(parts) if parts else torch.empty((0,), dtype=torch.int64)
+    parts = [p.to(torch.int64) for p in [*parts, *staged] if p is not None and p.numel()]
+    pages = torch.cat(parts) if parts else torch.empty((0,), dtype=torch.int64)
+    size = int(getattr(allocator, "page_size", 1) or 1)
+    if size == 1:
+        return pages
+    return (pages[:, None] * size + torch.arange(size, dtype=torch.int64)).flatten()
 
 
 def stats(scheduler: Scheduler) -> dict[str, Any]:
