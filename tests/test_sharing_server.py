@@ -101,6 +101,9 @@ def test_fork_copies_and_the_child_never_touches_the_parent(http: httpx.Client) 
     assert c_rows["cached"] == 200 and c_rows["bits"] == p_rows["bits"]
     assert not set(c_rows["slots"]) & set(p_rows["slots"])
     assert gen(http, toks + [9], child)["cached_tokens"] == 200
+    again = post(http, "fork", tokens=toks, extra_key=parent, target_extra_key=child)
+    assert again.status_code == 200 and again.json()["copied"] == 0  # the child held it all
+    assert rows(http, toks, child)["slots"] == c_rows["slots"]
     # the child's own splice (in place: it owns its copy) leaves the parent as it was
     ds = [{"start": 10, "end": 30, "replacement": seq(2, 6)}]
     r = splice(http, toks, ds, child)
@@ -127,8 +130,9 @@ def test_fork_bad_input_is_refused_and_changes_nothing(http: httpx.Client) -> No
     for body, status in cases:
         r = http.post("/leyline/fork", json=body)
         assert r.status_code == status, (body, r.text)
-        assert "error" in r.json()
+        assert "error" in r.json() and "input" not in r.text  # no echo of the token list
         unchanged(http, st)
+    assert "child's first request" in http.post("/leyline/fork", json=cases[0][0]).json()["error"]
     assert_integrity(stats(http))
 
 

@@ -109,15 +109,19 @@ class Served:
             raise SpliceError(400, f"{name}: token ids out of range [0, {vocab}): {bad[:5]}")
 
 
-def check_cached(req: SpliceRequest | PinRequest, cached: int) -> None:
+def check_cached(req: SpliceRequest | PinRequest, cached: int, op: str = "splice") -> None:
     """409 unless all of ``req.tokens`` is cached in the request's namespace."""
     if cached < len(req.tokens):
+        advice = {
+            "splice": "send the full request instead (it will be prefilled)",
+            "fork": "send the child's first request in full instead (it will be prefilled)",
+            "pin": "pin what a request has cached (its prompt, or a prefix of it)",
+        }[op]
         raise SpliceError(
             409,
             f"sequence not cached in namespace extra_key={req.extra_key!r}"
             f"{f', cache_salt={req.cache_salt!r}' if req.cache_salt else ''}: only {cached} of "
-            f"{len(req.tokens)} tokens are cached (evicted, flushed, or never sent); "
-            "send the full request instead (it will be prefilled)",
+            f"{len(req.tokens)} tokens are cached (evicted, flushed, or never sent); {advice}",
         )
 
 

@@ -45,7 +45,7 @@ async def _control(request: Request, op: str, model: type[BaseModel]) -> JSONRes
     try:
         body: Any = model.model_validate_json(raw)
     except ValidationError as e:
-        detail = json.loads(e.json(include_url=False))
+        detail = json.loads(e.json(include_url=False, include_input=False))
         return JSONResponse({"error": f"invalid {op} request", "detail": detail}, status_code=422)
     tm = _tokenizer_manager()
     n = _dp_size(tm)

@@ -100,6 +100,7 @@ class SpliceExecutor:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.served = Served(scheduler)
+        self.duplicates = 0  # slots of the last commit that the target already held
 
     def handle(self, payload: str, op: str = "splice") -> tuple[int, str]:
         """Run one control request (``op``: splice, fork, pin, unpin; ``payload``: its JSON
@@ -116,7 +117,7 @@ class SpliceExecutor:
         try:
             req = model.model_validate_json(payload)
         except ValidationError as e:
-            detail = json.loads(e.json(include_url=False))
+            detail = json.loads(e.json(include_url=False, include_input=False))
             return 422, json.dumps({"error": f"invalid {op} request", "detail": detail})
         try:
             self.served.tree.pins.expire()
@@ -135,9 +136,11 @@ class SpliceExecutor:
     def fork(self, req: ForkRequest) -> ForkResponse:
         """Copy the cached ``req.tokens`` into ``req.target_extra_key`` (a splice with no
         directive across namespaces). 409 not cached, 503 no room; nothing changes then."""
-        resp = self.splice(req.as_splice())
+        resp = self.splice(req.as_splice(), op="fork")
         return ForkResponse(
-            new_length=resp.new_length, copied=resp.copied_prefix, elapsed_ms=resp.elapsed_ms
+            new_length=resp.new_length,
+            copied=resp.copied_prefix - self.duplicates,
+            elapsed_ms=resp.elapsed_ms,
         )
 
     def pin(self, req: PinRequest) -> PinResponse:
@@ -149,7 +152,7 @@ class SpliceExecutor:
         self.served.check_tokens(req.tokens)
         key = RadixKey(array("q", req.tokens), req.extra_key, cache_salt=req.cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key))
-        check_cached(req, int(match.device_prefix_len))
+        check_cached(req, int(match.device_prefix_len), "pin")
         pin = tree.pins.pin(match.last_device_node, len(req.tokens), req.ttl_s, req.owner)
         return PinResponse(
             pin_id=pin.pin_id,
@@ -171,7 +174,7 @@ class SpliceExecutor:
         return UnpinResult(released=pins.release_owner(req.owner), pinned_slots=pins.pinned_slots())
 
     # ---- the splice --------------------------------------------------------------------------
-    def splice(self, req: SpliceRequest) -> SpliceResponse:
+    def splice(self, req: SpliceRequest, op: str = "splice") -> SpliceResponse:
         """Preflight, match (409), lock, plan, check room, phase 1, commit; see the module doc."""
         from leyline_agent.backends.sglang.compat import MatchPrefixParams, RadixKey
 
@@ -186,7 +189,7 @@ class SpliceExecutor:
         key = RadixKey(array("q", req.tokens), req.extra_key, cache_salt=req.cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key))
         cached = int(match.device_prefix_len)
-        check_cached(req, cached)
+        check_cached(req, cached, op)
         last_node = match.last_device_node
         old_slots = tree.path_device_indices(last_node)[:cached].to(torch.int64)
         first = ordered[0].start if ordered else len(req.tokens)
@@ -347,6 +350,7 @@ class SpliceExecutor:
         # what the target already held is freed: past the kept prefix, or (copied) from 0
         own_from = 0 if req.crosses else first
         dup = new_slots[own_from : max(own_from, int(result.prefix_len))]
+        self.duplicates = int(dup.numel())  # what the target already held (a fork's rerun)
         for t in (dup, dropped):
             if t is not None and t.numel():
                 tree.token_to_kv_pool_allocator.free(t)
