@@ -4,9 +4,10 @@ the released ones, dummy weights, bf16, 2 layers, a 4,096-token pool), started o
 On each: AMORTIZE leaves the whole spliced sequence cached, K's rotary dims within 1 bf16 ulp of
 the exact rotation of the old rows (with the spec the server reports, which must match the HF
 config), K's other dims and V bit-identical; FORGET equals a fresh prefill; bad input is refused
-with a 4xx and changes nothing (``leyline_agent/testing/model_check.py``). And what a splice
+with a 4xx and changes nothing (``leyline_agent/testing/model_check.py``). The same on an fp8 KV
+cache (dequantize, rotate, quantize: within one fp8 ulp). And what a splice
 cannot edit is refused with 501 and a reason before anything is allocated, the cache, its
-counters and the scheduler as before: an fp8 KV cache, a model with sliding-window layers
+counters and the scheduler as before: a model with sliding-window layers
 (Gemma-2: every other layer has a 64-token window), a pool with ``--page-size 2``.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from live import assert_integrity, gen, ns, rows, seq, splice, stats
 from requires import require_sglang
 
@@ -28,13 +30,14 @@ from leyline_agent.testing.tiny_models import (
     EXPECTED_ROPE,
     FAMILIES,
     REFUSED_FAMILIES,
+    write_random_weights,
     write_tiny_model,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
 
-def serve(model_dir: Path, *extra: str) -> Iterator[httpx.Client]:
+def serve(model_dir: Path, *extra: str, dummy: bool = True) -> Iterator[httpx.Client]:
     require_sglang()
     from leyline_agent.backends.sglang.launch import EmbeddedServer
 
@@ -42,7 +45,7 @@ def serve(model_dir: Path, *extra: str) -> Iterator[httpx.Client]:
         EmbeddedServer(
             model_path=model_dir,
             max_total_tokens=4096,
-            extra_args=["--dummy", *extra],
+            extra_args=[*(["--dummy"] if dummy else []), *extra],
             env={"LEYLINE_DEBUG_ENDPOINTS": "1"},
         ) as srv,
         httpx.Client(base_url=srv.url, timeout=600) as c,
@@ -99,10 +102,28 @@ def assert_refused_unchanged(c: httpx.Client, reason: str, *, integrity: bool = 
     assert gen(c, toks + [5], key)["cached_tokens"] == 200
 
 
-def test_fp8_kv_cache_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:
-    model_dir = write_tiny_model(tmp_path / "qwen3", "qwen3")
-    for c in serve(model_dir, "--kv-cache-dtype", "fp8_e4m3"):
-        assert_refused_unchanged(c, "fp8")
+def test_fp8_kv_cache_splices_by_dequantize_rotate_quantize(tmp_path: Path) -> None:
+    """Issue 15's stretch: ``--kv-cache-dtype fp8_e4m3`` (stored as bytes): the band within one
+    fp8 ulp of the exact rotation of the stored row, K outside the band and V bit for bit,
+    FORGET within one fp8 ulp of a fresh prefill, bad input refused, nothing leaked."""
+    model_dir = write_random_weights(write_tiny_model(tmp_path / "qwen3", "qwen3"))
+    for c in serve(model_dir, "--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16", dummy=False):
+        key, toks = ns(), seq(64, 1)
+        gen(c, toks, key)
+        r = rows(c, toks, key)
+        assert r["cached"] == 64
+        assert r["dtype"] == "torch.float8_e4m3fn"
+        band = torch.tensor(r["values"][0])[..., :32]
+        assert float((band != 0).float().mean()) > 0.9  # real keys, not fp8 zeros
+        amortize = model_check.check_amortize(c)
+        assert amortize["kind"] == "mha" and amortize["band_max_ulp"] <= 1.0
+        assert amortize["rows_checked"] > 0 and amortize["copied"] > 0 and amortize["in_place"]
+        forget = model_check.check_forget(c)
+        assert forget["forget_rows"] > 0
+        bad = model_check.check_bad_input(c)
+        assert set(bad["bad_input"].values()) <= {400, 422}
+        assert_integrity(stats(c))
+        print(json.dumps({"family": "qwen3-fp8_e4m3", **amortize, **forget}))  # pytest -s
 
 
 def test_sliding_window_model_is_refused_with_501_and_nothing_changes(tmp_path: Path) -> None:

@@ -128,3 +128,16 @@ def write_tiny_model(directory: Path, family: str, **overrides: Any) -> Path:
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     copy_tokenizer(directory)
     return directory
+
+
+def write_random_weights(directory: Path, seed: int = 0) -> Path:
+    """Save random weights (transformers' own initialisation, bf16 safetensors) for the config in
+    ``directory``; serve it without ``--dummy``. SGLang's dummy weights are uniform in ±1e-3,
+    which an fp8 KV cache stores as zeros; these give keys of order 1 (qk-norm) or 0.1."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
+    return directory

@@ -104,19 +104,24 @@ def rows(
         "dtype": str(layout.rotated[0].dtype),
         "kind": layout.kind,
     }
-    out["values"], out["bits"] = _dump(layout.rotated, slots, squeeze=layout.kind == "mla")
+    if layout.quant is not None:
+        out["dtype"] = str(layout.quant)
+    squeeze = layout.kind == "mla"
+    out["values"], out["bits"] = _dump(layout.rotated, slots, squeeze, layout.quant)
     if layout.copied:
-        out["v_values"], out["v_bits"] = _dump(layout.copied, slots, squeeze=False)
+        out["v_values"], out["v_bits"] = _dump(layout.copied, slots, False, layout.quant)
     if rope is not None:
         out["rope"] = rope
     return out
 
 
-def _dump(bufs: list[torch.Tensor], slots: torch.Tensor, squeeze: bool) -> tuple[list, list]:
-    int_view = {2: torch.int16, 4: torch.int32}
+def _dump(
+    bufs: list[torch.Tensor], slots: torch.Tensor, squeeze: bool, quant: torch.dtype | None
+) -> tuple[list, list]:
+    int_view = {1: torch.int8, 2: torch.int16, 4: torch.int32}
     values, bits = [], []
     for buf in bufs:
-        r = buf[slots]
+        r = buf[slots] if quant is None else buf[slots].view(quant)
         if squeeze:
             r = r[:, 0, :]
         values.append(r.float().tolist())

@@ -10,8 +10,13 @@ mha    ``MHATokenToKVPool`` (GQA, MHA)      ``k_buffer[l]`` ``[slots, kv_heads, 
 Everything else is refused with the reason (`UnsupportedKV`): sliding-window and hybrid pools
 (``SWAKVPool``, Mamba/linear-attention pools: an edit would have to redo the window or the
 recurrent state), subclasses that change the layout or quantize (fp4/mxfp8, page-major, DSA
-indexer caches), fp8 KV caches (a rotation would need dequantize-rotate-quantize and the scales),
-non-NHD layouts, and models with sliding-window attention layers.
+indexer caches), fp8 KV caches with per-token scale buffers, non-NHD layouts, and models with
+sliding-window attention layers.
+
+fp8 KV (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): SGLang stores ``fp8(k / k_scale)`` as
+``uint8`` (``store_dtype``) with one scale per layer. A rotation is linear, so the stored value is
+rotated as it is: dequantize to fp32, rotate, quantize (``KVLayout.quant`` names the fp8 dtype;
+``splice.py``). Columns outside the band survive the fp32 round trip bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class UnsupportedKV(ValueError):
@@ -40,6 +46,7 @@ class KVLayout(NamedTuple):
     heads: int
     head_dim: int
     mla_band: RopeBand | None  # MLA: where k_pe sits in a row; MHA: from the RoPE spec
+    quant: torch.dtype | None = None  # fp8: the buffers hold its bytes (uint8)
 
     def band(self, spec: RopeSpec) -> RopeBand:
         """The rope band of one head: MLA's ``k_pe``, MHA's first ``rotary_dim`` columns."""
@@ -76,13 +83,18 @@ def kv_layout(pool: Any) -> KVLayout:
         )
     dtype = getattr(pool, "dtype", None)
     store = getattr(pool, "store_dtype", dtype)
-    if dtype not in _DTYPES or store not in _DTYPES:
+    fp8 = dtype in _FP8 and store == torch.uint8
+    if fp8 and getattr(pool, "k_scale_buffer", None) is not None:
         raise UnsupportedKV(
-            f"KV cache dtype {dtype} (stored as {store}) is not supported: a δ-rotation of a "
-            "quantized (fp8) cache would need dequantize-rotate-quantize; serve with "
-            "--kv-cache-dtype auto (bf16/fp16/fp32)"
+            f"KV cache dtype {dtype} with per-token scale buffers is not supported; serve with "
+            "--kv-cache-dtype auto, fp8_e4m3 or fp8_e5m2"
         )
-    return read(pool)
+    if not fp8 and (dtype not in _DTYPES or store not in _DTYPES):
+        raise UnsupportedKV(
+            f"KV cache dtype {dtype} (stored as {store}) is not supported; serve with "
+            "--kv-cache-dtype auto (bf16/fp16/fp32), fp8_e4m3 or fp8_e5m2"
+        )
+    return read(pool)._replace(quant=dtype if fp8 else None)
 
 
 def _mla_layout(pool: Any) -> KVLayout:

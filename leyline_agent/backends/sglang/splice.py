@@ -301,10 +301,22 @@ class SpliceExecutor:
         spec, band, _ = self.served.rope_spec()
         layout = self.served.kv_buffers()
         old_pos = torch.arange(old.start, old.stop, dtype=torch.int64, device=src.device)
-        delta_rotate(
-            layout.rotated, src, dst, old_pos, old_pos + delta, spec, band,
-            copy_buffers=layout.copied,
-        )  # fmt: skip
+        if layout.quant is None:
+            delta_rotate(
+                layout.rotated, src, dst, old_pos, old_pos + delta, spec, band,
+                copy_buffers=layout.copied,
+            )  # fmt: skip
+            return
+        # fp8 stored as bytes: dequantize the rows to fp32, rotate them there, quantize back
+        rows = torch.arange(src.numel(), dtype=torch.int64, device=src.device)
+        for buf in layout.rotated:
+            tmp = buf[src].view(layout.quant).float()
+            delta_rotate([tmp], rows, rows, old_pos, old_pos + delta, spec, band)
+            big = torch.finfo(layout.quant).max  # a turned pair may exceed it: saturate
+            buf[dst] = tmp.clamp_(-big, big).to(layout.quant).view(buf.dtype)
+        if not torch.equal(src, dst):
+            for buf in layout.copied:
+                buf[dst] = buf[src]
 
     # ---- phase 2: the commit; no allocation, so nothing can be evicted under it -------------
     def _commit(
