@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from leyline_agent.client import LeylineClient, PinRejected
 from leyline_agent.pins import DEFAULT_TTL_S, cache_marker
 from leyline_agent.session import DEFAULT_SHARED_NAMESPACE, SessionCore
 from leyline_agent.wrapper import ConversationWrapper
+
+log = logging.getLogger(__name__)
 
 
 class LeylineSession:
@@ -159,6 +162,11 @@ class LeylineSession:
         )
         marker = cache_marker(messages)  # NOTE: the view has no markers; same indices
         if marker is not None:
+            if marker.ttl_note is not None:  # NOTE: clamped to 24 h, or invalid: the default
+                log.warning(
+                    "session %s: cache_control ttl %r %s: pinned for %g s",
+                    self.core.session_id, marker.ttl, marker.ttl_note, marker.ttl_s,
+                )  # fmt: skip
             try:
                 self.pin_error = None
                 self.core.pin_marked(pending, marker)

@@ -117,6 +117,7 @@ class SessionCore:
         self._reply: list[int] | int | None = 0
         self._moved: str | None = None  # why the session moved to another backend (next turn)
         self.pinned: PinResponse | None = None  # the session's one pin (``pin``)
+        self.pins_replaced = 0  # previous pins ``pin`` released (not those expired first)
 
     @property
     def request_namespace(self) -> str:
@@ -194,11 +195,14 @@ class SessionCore:
     def pin(self, end: int | None = None, *, ttl_s: float = DEFAULT_TTL_S) -> PinResponse:
         """Keep the first ``end`` held tokens (None: all) resident for ``ttl_s`` seconds, in the
         session's request namespace. A session keeps one pin: the new one is made, then the
-        previous one released. Owner: the session's own namespace (``release_pins``).
+        previous one released (counted in ``pins_replaced``). Owner: the session's own
+        namespace (``release_pins``).
 
         Raises:
             PinRejected: the backend refused (409 not cached, 422 TTL out of range, 429 the
-                server's cap on pinned slots); the previous pin stays.
+                server's cap on pinned slots); the previous pin stays. Or the new pin was made
+                (``pinned`` is it) and releasing the previous one failed: it expires with its
+                TTL.
             ValueError: no token held up to ``end``.
         """
         tokens = self.wrapper.tokens[:end]
@@ -214,7 +218,7 @@ class SessionCore:
         old, self.pinned = self.pinned, new
         if old is not None and old.pin_id != new.pin_id:
             try:
-                self.client.unpin(old.pin_id)
+                self.pins_replaced += self.client.unpin(old.pin_id)
             except PinRejected as e:
                 if e.status != 404:  # 404: it expired already
                     raise

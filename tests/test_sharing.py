@@ -1,24 +1,30 @@
 """Sharing, pins and forks on the agent side, without a server: ``cache_control`` markers
 (``pins.py``), a session's namespaces (shared until its first splice, then its own), its one
-renewed pin, ``adopt`` (a fork), and the proxy registry's fresh sessions, ends and drop hook.
-The same behaviours against a real server: ``tests/test_sharing_live.py``."""
+renewed pin, ``adopt`` (a fork), the proxy registry's fresh sessions, ends and drop hook, the
+proxy's pin counters and a session's ``pin``/``pin_error`` record, and how
+``X-Leyline-Fork-From`` and ``/leyline/sessions/{id}`` name a session (the app in front of a dead
+backend). The same behaviours against a real server: ``tests/test_sharing_live.py``."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from test_proxy import agent_conversation
 
 from leyline_agent.accounting import TurnRecord
+from leyline_agent.backends.sglang.launch import free_port
 from leyline_agent.backends.sglang.wire import ForkResponse, PinResponse, SpliceResponse
 from leyline_agent.chat.openai import chat_request_view
-from leyline_agent.client import ForkRejected, LeylineClient
-from leyline_agent.pins import DEFAULT_TTL_S, Marker, cache_marker, marked_end, parse_ttl
-from leyline_agent.proxy import SessionRegistry
-from leyline_agent.proxy.identity import SessionKey
+from leyline_agent.client import ForkRejected, LeylineClient, PinRejected
+from leyline_agent.pins import DEFAULT_TTL_S, Marker, Ttl, cache_marker, marked_end, parse_ttl
+from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, create_app
+from leyline_agent.proxy.identity import FORK_HEADER, SessionKey
 from leyline_agent.proxy.metrics import render_retention
-from leyline_agent.proxy.retention import RetentionCounters
+from leyline_agent.proxy.retention import Retention, RetentionCounters
 from leyline_agent.session import SessionCore
 from leyline_agent.wrapper import ConversationWrapper
 
@@ -50,6 +56,8 @@ class FakeBackend(LeylineClient):
     def pin(self, tokens: Any, **kw: Any) -> PinResponse:
         n = sum(name == "pin" for name, _ in self.calls)
         self.calls.append(("pin", {"tokens": list(tokens), **kw}))
+        if self.refuse == "pin":
+            raise PinRejected(429, "8,107 of 8,192 slots pinned: over the cap")
         return PinResponse(
             pin_id=f"p{n}", pinned_tokens=len(tokens), ttl_s=kw["ttl_s"], expires_at=0.0,
             pinned_slots=len(tokens), pin_cap_slots=1000,
@@ -78,12 +86,21 @@ def _turn(core: SessionCore, messages: list[dict[str, Any]]):
 
 
 @pytest.mark.parametrize(
-    "ttl, seconds",
-    [(None, DEFAULT_TTL_S), ("5m", 300.0), ("1h", 3600.0), ("90s", 90.0), (12, 12.0),
-     ("soon", DEFAULT_TTL_S), (0, DEFAULT_TTL_S), ("25h", DEFAULT_TTL_S)],
+    "ttl, seconds, note",
+    [(None, DEFAULT_TTL_S, None), ("5m", 300.0, None), ("1h", 3600.0, None), ("90s", 90.0, None),
+     (12, 12.0, None), ("90", 90.0, None), (" 1.5h ", 5400.0, None), ("1d", 86400.0, None),
+     ("25h", 86400.0, "clamped"), ("2d", 86400.0, "clamped"), (90000, 86400.0, "clamped"),
+     (10**400, 86400.0, "clamped"), ("abc", DEFAULT_TTL_S, "invalid"),
+     ("0s", DEFAULT_TTL_S, "invalid"), (0, DEFAULT_TTL_S, "invalid"),
+     ("-5m", DEFAULT_TTL_S, "invalid"), (True, DEFAULT_TTL_S, "invalid"),
+     (float("nan"), DEFAULT_TTL_S, "invalid"), ("", DEFAULT_TTL_S, "invalid")],
 )  # fmt: skip
-def test_ttl(ttl: Any, seconds: float) -> None:
-    assert parse_ttl(ttl) == seconds
+def test_ttl_is_clamped_to_the_maximum_and_an_invalid_one_is_the_default_noted(
+    ttl: Any, seconds: float, note: str | None
+) -> None:
+    assert parse_ttl(ttl) == Ttl(seconds, note)
+    marked = {"role": "user", "content": "x", "cache_control": {**EPHEMERAL, "ttl": ttl}}
+    assert cache_marker([marked]) == Marker(0, seconds, ttl, note)
 
 
 def test_the_last_marked_message_is_the_marker_and_never_reaches_the_template() -> None:
@@ -95,7 +112,7 @@ def test_the_last_marked_message_is_the_marker_and_never_reaches_the_template() 
         {"role": "user", "content": "d", "cache_control": {"type": "persistent"}},  # not ours
     ]  # fmt: skip
     assert cache_marker(messages) == Marker(1, DEFAULT_TTL_S)
-    assert cache_marker(messages[:1]) == Marker(0, 3600.0)
+    assert cache_marker(messages[:1]) == Marker(0, 3600.0, "1h")
     assert cache_marker([{"role": "user", "content": "x"}]) is None
     view, _ = chat_request_view(messages, None)
     assert "cache_control" not in repr(view)
@@ -227,7 +244,85 @@ def test_retention_metrics_parse() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     counters = RetentionCounters()
-    counters.count(pins=2, pins_refused=1, forks=1)
+    counters.count(pins=2, pins_refused=1, forks=1, pins_replaced=1, pin_ttl_invalid=3)
     families = {f.name: f for f in text_string_to_metric_families(render_retention(counters))}
     assert families["leyline_proxy_pins"].samples[0].value == 2
     assert families["leyline_proxy_pins_refused"].samples[0].value == 1
+    assert families["leyline_proxy_pins_replaced"].samples[0].value == 1
+    assert families["leyline_proxy_pin_ttl_invalid"].samples[0].value == 3
+    assert families["leyline_proxy_pin_ttl_clamped"].samples[0].value == 0
+    assert "replaced pins are not counted" in families["leyline_proxy_pins_released"].documentation
+
+
+# --- the proxy's pins: counters, the session's record -----------------------------------------
+
+
+def test_proxy_pins_count_replacements_and_ttl_problems_and_show_the_last_refusal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = FakeBackend()
+    retention = Retention()
+    reg = SessionRegistry(lambda sid, ns: _core(client, sid, "none"))
+    turns = agent_conversation()
+    session = reg.resolve(turns[0], header="h")
+
+    def marked_turn(i: int, ttl: Any) -> None:
+        pending = _turn(session.core, turns[i])
+        mark = {"role": "user", "content": "x", "cache_control": {**EPHEMERAL, "ttl": ttl}}
+        marker = cache_marker([*turns[i][:-1], mark])
+        assert marker is not None
+        asyncio.run(retention.pin_turn(session, pending, marker))
+
+    with caplog.at_level(logging.WARNING, logger="leyline_agent.proxy.retention"):
+        marked_turn(0, "25h")
+        marked_turn(1, "abc")
+    c = retention.counters
+    assert (c.pins, c.pins_replaced, c.pin_ttl_clamped, c.pin_ttl_invalid) == (2, 1, 1, 1)
+    assert [kw["ttl_s"] for name, kw in client.calls if name == "pin"] == [86400.0, DEFAULT_TTL_S]
+    assert "'25h' is above the maximum" in caplog.text and "'abc' is malformed" in caplog.text
+    pin = session.summary()["pin"]
+    assert pin == {"pin_id": "p1", "pinned_tokens": client.calls[-2][1]["tokens"].__len__(),
+                   "ttl_s": DEFAULT_TTL_S, "expires_at": 0.0}  # fmt: skip
+    assert session.summary()["pin_error"] is None
+    client.refuse = "pin"
+    marked_turn(2, "5m")
+    record = session.summary()
+    assert record["pin"]["pin_id"] == "p1"  # the previous pin stays
+    assert record["pin_error"] == {"turn": 2, "status": 429, "reason": "pin_cap",
+                                   "message": "8,107 of 8,192 slots pinned: over the cap"}  # fmt: skip
+    assert (c.pins, c.pins_refused, c.pins_replaced) == (2, 1, 1)
+    client.refuse = ""
+    marked_turn(3, None)
+    assert session.summary()["pin_error"] is None and c.pins_replaced == 2
+
+
+# --- naming a session: X-Leyline-Fork-From, /leyline/sessions/{id} ----------------------------
+
+
+def test_a_session_is_found_by_its_listed_id_or_the_name_its_client_sent() -> None:
+    app = create_app(f"http://127.0.0.1:{free_port()}", "none", connect_timeout=1.0)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with TestClient(app) as http:
+        r = http.post("/v1/chat/completions", json=chat, headers={SESSION_HEADER: "a:b"})
+        assert r.status_code == 502  # the backend is dead; the session exists
+        [listed] = [s["id"] for s in http.get("/leyline/sessions").json()["sessions"]]
+        assert listed == r.headers[SESSION_HEADER] == "a%3Ab"
+        for path in ("a%3Ab", "a:b", "a%253Ab"):  # as listed, as sent, the listed id escaped
+            assert http.get(f"/leyline/sessions/{path}").json()["id"] == "a%3Ab", path
+        missing = http.get("/leyline/sessions/x:y")
+        assert missing.status_code == 404
+        assert "'x:y'" in missing.text and "'x%3Ay'" in missing.text  # the ids tried
+        # the fork header takes the name as sent in X-Leyline-Session, or the listed id
+        for child, parent in (("c1", "a:b"), ("c2", "a%3Ab")):
+            r = http.post(
+                "/v1/chat/completions", json=chat,
+                headers={SESSION_HEADER: child, FORK_HEADER: parent},
+            )  # fmt: skip
+            assert r.status_code == 502, r.text
+            assert http.get(f"/leyline/sessions/{child}").json()["forked_from"] == "a%3Ab"
+        r = http.post(
+            "/v1/chat/completions", json=chat, headers={SESSION_HEADER: "c3", FORK_HEADER: "x:y"}
+        )
+        assert r.status_code == 404 and "'x:y'" in r.text and "'x%3Ay'" in r.text
+        assert http.delete("/leyline/sessions/a%3Ab").json() == {"id": "a%3Ab", "ended": True}
+        assert http.get("/leyline/sessions/a:b").status_code == 404

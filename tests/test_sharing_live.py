@@ -120,6 +120,8 @@ def test_a_pinned_prefix_survives_pool_pressure(leyline_server: str) -> None:
         _ask(cu, plain, salt)
         pin = session_detail(proxy, pinned_id)["pin"]
         assert pin is not None and pin["pinned_tokens"] > 1500
+        assert set(pin) == {"pin_id", "pinned_tokens", "ttl_s", "expires_at"}  # the session's own
+        assert pin["ttl_s"] == 300 and pin["expires_at"] > time.time()
         assert session_detail(proxy, plain_id)["pin"] is None
         assert _stats(leyline_server)["pinned_slots"] >= pin["pinned_tokens"]
         with LeylineClient(leyline_server) as c:
@@ -133,6 +135,7 @@ def test_a_pinned_prefix_survives_pool_pressure(leyline_server: str) -> None:
         assert ended.status_code == 200
         metrics = httpx.get(f"{proxy}/metrics", timeout=30).text
     assert "leyline_proxy_pins_total 2" in metrics  # one per marked turn (renewed)
+    assert "leyline_proxy_pins_replaced_total 1" in metrics  # the first, by the second
     assert _wait_unpinned(leyline_server, before)
 
 
@@ -185,17 +188,22 @@ def test_pin_refusals_change_nothing(leyline_server: str) -> None:
         with serve_proxy(leyline_server, "none", share_exact=True) as proxy:
             prompt, _ = _ask(openai_client(proxy, **{SESSION_HEADER: sid}), marked, salt)
             metrics = httpx.get(f"{proxy}/metrics", timeout=30).text
-            assert session_detail(proxy, sid)["pin"] is None
+            detail = session_detail(proxy, sid)
+        assert detail["pin"] is None
+        error = detail["pin_error"]
+        assert (error["turn"], error["status"], error["reason"]) == (0, 429, "pin_cap"), error
         assert prompt > 3000 and "leyline_proxy_pins_refused_total 1" in metrics
         assert c.unpin(owner=owner) == 2
         assert _stats(leyline_server)["pinned_slots"] == before
 
 
 def test_fork_starts_a_child_warm_and_leaves_the_parent_intact(leyline_server: str) -> None:
-    """The parent runs until it spliced (private); a child forked from it finds the parent's
-    history cached; the child's own splices never touch the parent's KV."""
+    """The parent runs until it spliced (private); a child forked from it (named as its client
+    sent ``X-Leyline-Session``, ``:`` and all) finds the parent's history cached; the child's own
+    splices never touch the parent's KV."""
     salt, turns = new_id("salt"), agent_conversation()
-    parent, child = new_id("parent"), new_id("child")
+    parent, child = new_id("parent") + ":main", new_id("child")
+    parent_id = parent.replace(":", "%3A")  # its public id, as listed
     extra = {"extra_body": {"cache_salt": salt}}
     plans = expected_plans(POLICY, turns)
     with serve_proxy(leyline_server, POLICY, share_exact=True) as proxy:
@@ -212,7 +220,8 @@ def test_fork_starts_a_child_warm_and_leaves_the_parent_intact(leyline_server: s
         [(prompt, cached)] = run_turns(kid, [turns[5]], **extra)
         assert cached == prompt - len(plans[5].tail), (prompt, cached)  # warm: the parent's KV
         detail = session_detail(proxy, child)
-        assert detail["forked_from"] == parent and detail["private"]
+        assert detail["forked_from"] == parent_id and detail["private"]
+        assert session_detail(proxy, parent_id)["id"] == parent_id  # the listed id in the URL
         assert detail["spliced_turns"] == 1  # the child spliced in its own namespace
         # the parent's cache is intact: its own next turn is all cached but the new tail
         [(p_prompt, p_cached)] = run_turns(

@@ -47,12 +47,15 @@ from leyline_agent.proxy import metrics
 from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
 from leyline_agent.proxy.backends import DEFAULT_HEALTH_INTERVAL, BackendPool
 from leyline_agent.proxy.chat import chat_completions
+from leyline_agent.proxy.identity import public_ids
 from leyline_agent.proxy.responses import error_response, passthrough, unreachable
 from leyline_agent.proxy.retention import Retention
-from leyline_agent.proxy.sessions import SessionRegistry
+from leyline_agent.proxy.sessions import ProxySession, SessionRegistry
 from leyline_agent.session import SessionCore
 from leyline_agent.traces.recorder import TraceRecorder
 from leyline_agent.wrapper import ConversationWrapper
+
+SESSIONS_ROUTE = "/leyline/sessions/"
 
 
 class LeylineProxy:
@@ -138,20 +141,35 @@ class LeylineProxy:
             "totals": self.registry.totals(tenant).as_dict(),
         }
 
-    def session(self, request: Request, session_id: str) -> Response:
-        s = self.registry.get(session_id, tenant_of(request))
+    def find_session(self, request: Request, session_id: str) -> ProxySession | Response:
+        """The live session of the caller's tenant that ``/leyline/sessions/{id}`` names, else
+        a 404 naming the ids tried: the path's segment as sent (the server percent-decodes the
+        path once, so a listed id ``a%3Ab`` arrives as ``a:b``), then ``public_ids`` of the
+        decoded one (``a%253Ab`` -> ``a%3Ab``; ``a:b``, the name as sent in
+        ``X-Leyline-Session``, -> ``a%3Ab``)."""
+        raw = request.scope.get("raw_path") or b""
+        sent = raw.decode("latin-1").partition(SESSIONS_ROUTE)[2]
+        ids = [i for i in dict.fromkeys([sent, *public_ids(session_id)]) if i]
+        s = self.registry.find(ids, tenant_of(request))
         if s is None:
-            return error_response(404, f"no live session {session_id!r}", "not_found")
-        return JSONResponse(s.detail())
+            tried = ", ".join(repr(i) for i in ids)
+            return error_response(
+                404, f"no live session {session_id!r} (tried the ids {tried})", "not_found"
+            )
+        return s
+
+    def session(self, request: Request, session_id: str) -> Response:
+        s = self.find_session(request, session_id)
+        return s if isinstance(s, Response) else JSONResponse(s.detail())
 
     async def end_session(self, request: Request, session_id: str) -> Response:
         """``DELETE /leyline/sessions/{id}``: drop the session (its counters stay in the
         totals) and release its pins."""
-        s = self.registry.get(session_id, tenant_of(request))
-        if s is None:
-            return error_response(404, f"no live session {session_id!r}", "not_found")
+        s = self.find_session(request, session_id)
+        if isinstance(s, Response):
+            return s
         if s.lock.locked():
-            return error_response(409, f"session {session_id!r} has a turn in flight", "conflict")
+            return error_response(409, f"session {s.id!r} has a turn in flight", "conflict")
         self.registry.remove(s)
         return JSONResponse({"id": s.id, "ended": True})
 
@@ -230,8 +248,9 @@ def create_app(
     app.add_api_route("/v1/chat/completions", proxy.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
     app.add_api_route("/leyline/sessions", proxy.sessions, methods=["GET"])
-    app.add_api_route("/leyline/sessions/{session_id}", proxy.session, methods=["GET"])
-    app.add_api_route("/leyline/sessions/{session_id}", proxy.end_session, methods=["DELETE"])
+    # NOTE: ":path": a listed id holds no "/", but the decoded one may (``a%2Fb`` -> ``a/b``)
+    app.add_api_route(SESSIONS_ROUTE + "{session_id:path}", proxy.session, methods=["GET"])
+    app.add_api_route(SESSIONS_ROUTE + "{session_id:path}", proxy.end_session, methods=["DELETE"])
     app.add_api_route("/metrics", proxy.metrics, methods=["GET"])
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
     return app

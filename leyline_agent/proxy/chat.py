@@ -20,7 +20,9 @@ fails or the client disconnects mid-stream: the cache changed, so the session st
 Pins and forks (``retention.py``): a turn whose messages carry a ``cache_control`` marker pins
 the marked prefix after it is recorded (a streamed one after its stream ended, before the
 session's next turn); a new session's first request with ``X-Leyline-Fork-From: <id>`` starts from
-that session (404 when it is not a live session of the caller's tenant, nothing created).
+that session: ``<id>`` is its public id or the name its client sent in ``X-Leyline-Session``
+(``identity.public_ids``); 404 when neither is a live session of the caller's tenant, nothing
+created.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from leyline_agent.pins import Marker, cache_marker
 from leyline_agent.policies import PolicyError
 from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.backends import Backend
-from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER
+from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER, public_ids
 from leyline_agent.proxy.relay import StreamEnd, relay
 from leyline_agent.proxy.responses import backend_error, error_response, passthrough, unreachable
 from leyline_agent.proxy.sessions import ProxySession
@@ -164,13 +166,17 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     parent = None
     fork_from = request.headers.get(FORK_HEADER)
     if fork_from:
-        parent = proxy.registry.get(fork_from, tenant)
+        tried = public_ids(fork_from)
+        parent = proxy.registry.find(tried, tenant)
         existing = proxy.registry.named(header=header, user=user, tenant=tenant)
         if existing is not None and (existing.core.records or existing.forked_from):
             parent = None  # NOTE: read on a session's first request only
         elif parent is None:
+            ids = ", ".join(repr(i) for i in tried)
             return error_response(
-                404, f"{FORK_HEADER}: no live session {fork_from!r} to fork from", "not_found"
+                404,
+                f"{FORK_HEADER}: no live session {fork_from!r} to fork from (tried the ids {ids})",
+                "not_found",
             )
         elif parent is existing:
             return error_response(

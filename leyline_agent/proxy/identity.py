@@ -31,6 +31,13 @@ def escape(text: str) -> str:
     return quote(text, safe="")
 
 
+def public_ids(ref: str) -> list[str]:
+    """The public ids a client's reference to a session may mean, in the order tried: ``ref``
+    itself (an id as listed by ``/leyline/sessions``), then the id of the header session named
+    ``ref`` (the name as sent in ``X-Leyline-Session``: ``a:b`` -> ``a%3Ab``)."""
+    return list(dict.fromkeys([ref, escape(ref)]))
+
+
 class SessionKey(NamedTuple):
     """Who a session belongs to and what it is called (see the module docstring)."""
 

@@ -9,9 +9,10 @@ the answers' ``usage.prompt_tokens_details.cached_tokens``).
 prompt tokens differed from the rendered ones / after which the session adopted the backend's.
 ``leyline_proxy_backend_*{backend="<url>"}`` (``render_backends``, proxy-wide): per backend,
 requests forwarded, errors, sessions that failed over away from it, live sessions on it, up.
-``leyline_proxy_pins_*`` and ``leyline_proxy_forks_*`` (``render_retention``, proxy-wide): pins
-made, refused by the server's cap (429), refused otherwise, released at session end; forks,
-forks that copied the parent's KV, forks that started cold.
+``leyline_proxy_pin*`` and ``leyline_proxy_fork*`` (``render_retention``, proxy-wide): pins
+made, refused by the server's cap (429), refused otherwise, replaced by the session's next pin,
+released at session end, markers whose TTL was clamped or invalid; forks, forks that copied the
+parent's KV, forks that started cold.
 """
 
 from __future__ import annotations
@@ -172,11 +173,19 @@ def render_backends(pool: BackendPool, sessions: Iterable[ProxySession]) -> str:
 
 
 _RETENTION: tuple[tuple[str, str, str], ...] = (
-    ("pins", "pins_total", "Pins made from cache_control markers (each renewal counts)."),
+    ("pins", "pins_total", "Pins made from cache_control markers, one per marked turn whose "
+     "pin the server accepted (a renewal is a new pin)."),
     ("pins_refused", "pins_refused_total", "Pins refused by the server's cap on pinned slots "
      "(429)."),
     ("pin_errors", "pin_errors_total", "Pins refused otherwise (not cached, unreachable)."),
-    ("pins_released", "pins_released_total", "Pins released when their session ended."),
+    ("pins_replaced", "pins_replaced_total", "Pins released because their session's next marked "
+     "turn pinned a new prefix (not those that expired first)."),
+    ("pins_released", "pins_released_total", "Pins released when their session ended (dropped "
+     "past max_sessions, or DELETE /leyline/sessions/{id}); replaced pins are not counted here."),
+    ("pin_ttl_clamped", "pin_ttl_clamped_total", "cache_control markers whose ttl was above the "
+     "server's maximum, 86400 s (pinned for 86400 s)."),
+    ("pin_ttl_invalid", "pin_ttl_invalid_total", "cache_control markers whose ttl was malformed "
+     "or not positive (pinned for the default 300 s)."),
     ("forks", "forks_total", "Sessions started from another one (X-Leyline-Fork-From)."),
     ("fork_copies", "fork_copies_total", "Forks that copied a private parent's KV."),
     ("fork_misses", "fork_misses_total", "Forks that started cold (copy refused, other salt)."),

@@ -4,8 +4,11 @@ starts a session from another one, and an ended session's pins are released.
 - **Pin** (``pin_turn``): after a turn whose messages carry an ephemeral ``cache_control`` marker
   (``pins.cache_marker``), the prompt up to the end of the last marked message is pinned on the
   session's backend for the marker's TTL (300 s by default); one pin per session, renewed every
-  marked turn (the new one first, then the old one released). A refusal, the server's cap on
-  pinned slots (429) included, is logged and counted, never an error of the client's request.
+  marked turn (the new one first, then the old one released: ``pins_replaced``). A refusal, the
+  server's cap on pinned slots (429) included, is logged, counted and shown in the session's
+  record (``ProxySession.pin_error``), never an error of the client's request. So is a marker's
+  TTL that was not taken as sent (``pins.parse_ttl``): clamped to 24 h, or malformed and the
+  default.
 - **Fork** (``fork_session``): a new session's first request naming a parent starts from the
   parent's history (``SessionCore.adopt``); it is routed to the parent's backend, where a private
   parent's KV is copied into its namespace (``POST /leyline/fork``). A refused fork (the parent's
@@ -22,16 +25,14 @@ import logging
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.to_thread
 
 from leyline_agent.client import ForkRejected, PinRejected
 from leyline_agent.pins import Marker
+from leyline_agent.proxy.sessions import PinError, ProxySession
 from leyline_agent.session import Pending
-
-if TYPE_CHECKING:
-    from leyline_agent.proxy.sessions import ProxySession
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,10 @@ class RetentionCounters:
     pins: int = 0  # pins made (each renewal counts)
     pins_refused: int = 0  # refused by the server's cap (429)
     pin_errors: int = 0  # refused otherwise (409 not cached, unreachable, ...)
+    pins_replaced: int = 0  # previous pins released by the session's next pin
     pins_released: int = 0  # released by /leyline/unpin when a session ended
+    pin_ttl_clamped: int = 0  # markers whose ttl was above 24 h (pinned for 24 h)
+    pin_ttl_invalid: int = 0  # markers whose ttl was malformed or not positive (the default)
     forks: int = 0  # sessions started from another one
     fork_copies: int = 0  # ... whose parent's KV was copied (a private parent)
     fork_misses: int = 0  # ... whose copy was refused (the child started cold)
@@ -64,15 +68,41 @@ class Retention:
 
     async def pin_turn(self, session: ProxySession, pending: Pending, marker: Marker) -> None:
         """Pin the marked prefix of the turn just finished (see ``SessionCore.pin_marked``)."""
+        self.check_ttl(session, marker)
+        core = session.core
+        old, replaced = core.pinned, core.pins_replaced
         try:
-            pin = await anyio.to_thread.run_sync(session.core.pin_marked, pending, marker)
+            pin = await anyio.to_thread.run_sync(core.pin_marked, pending, marker)
         except PinRejected as e:
+            if core.pinned is not old:  # NOTE: the new pin was made; the old one's release failed
+                self.counters.count(pins=1)
+                session.pin_error = None
+                log.warning("session %s: the previous pin stays until its TTL: %s", session.id, e)
+                return
             refused = e.status == 429
             self.counters.count(pins_refused=refused, pin_errors=not refused)
+            turn = core.records[-1].turn if core.records else 0
+            session.pin_error = PinError(turn, e.status, e.reason, e.message)
             log.warning("session %s: pin refused: %s", session.id, e)
             return
         if pin is not None:
-            self.counters.count(pins=1)
+            session.pin_error = None
+            self.counters.count(pins=1, pins_replaced=core.pins_replaced - replaced)
+
+    def check_ttl(self, session: ProxySession, marker: Marker) -> None:
+        """Log and count a marker whose TTL was not taken as sent (``pins.parse_ttl``)."""
+        if marker.ttl_note == "clamped":
+            self.counters.count(pin_ttl_clamped=1)
+            log.warning(
+                "session %s: cache_control ttl %r is above the maximum: pinned for %g s",
+                session.id, marker.ttl, marker.ttl_s,
+            )  # fmt: skip
+        elif marker.ttl_note == "invalid":
+            self.counters.count(pin_ttl_invalid=1)
+            log.warning(
+                "session %s: cache_control ttl %r is malformed or not positive: pinned for the "
+                "default %g s", session.id, marker.ttl, marker.ttl_s,
+            )  # fmt: skip
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in the background (held until done)."""

@@ -30,7 +30,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from leyline_agent.accounting import Totals
 from leyline_agent.proxy.auth import DEFAULT_TENANT
@@ -41,6 +41,17 @@ Source = Literal["header", "user", "prefix", "new"]
 # NOTE: an anonymous request may continue a session whose history it does not extend exactly
 # (the agent edited it) when the shared prefix is at least this share of the session's history.
 MIN_SHARED = 0.5
+
+
+class PinError(NamedTuple):
+    """The session's last pin attempt, refused: the turn it followed, the backend's status
+    (429 the server's cap, 409 not cached, 0 unreachable, ...), ``SpliceRejected.reason``
+    (``pin_cap``, ``not_cached``, ...) and its message."""
+
+    turn: int
+    status: int
+    reason: str
+    message: str
 
 
 @dataclass
@@ -56,6 +67,7 @@ class ProxySession:
     warned: bool = False  # logged that the backend's prompt differs from the rendered one
     backend: str | None = None  # the URL of the backend holding its KV (``backends.py``)
     forked_from: str | None = None  # the public id of the session it was forked from
+    pin_error: PinError | None = None  # the last pin attempt, when it was refused
     # the committed messages last seen by committed_form(), their match forms, cumulative sizes
     _seen: list[dict[str, Any]] | None = field(default=None, repr=False)
     _form: tuple[list[dict[str, Any]], list[int]] = field(
@@ -95,7 +107,8 @@ class ProxySession:
             "request_namespace": self.core.request_namespace,
             "private": self.core.private,
             "forked_from": self.forked_from,
-            "pin": self.core.pinned.model_dump() if self.core.pinned else None,
+            "pin": self.pin(),
+            "pin_error": self.pin_error._asdict() if self.pin_error else None,
             "backend": self.backend,
             "source": self.source,
             "splice": self.core.splice_enabled,
@@ -103,6 +116,15 @@ class ProxySession:
             "in_flight": self.lock.locked(),
             **Totals.of(self.core.records).as_dict(),
         }
+
+    def pin(self) -> dict[str, Any] | None:
+        """The session's own pin: its id, prefix length, TTL and expiry (Unix time); not the
+        server-wide ``pinned_slots`` of the pin's answer."""
+        p = self.core.pinned
+        if p is None:
+            return None
+        return {"pin_id": p.pin_id, "pinned_tokens": p.pinned_tokens, "ttl_s": p.ttl_s,
+                "expires_at": p.expires_at}  # fmt: skip
 
     def detail(self) -> dict[str, Any]:
         """The summary plus every turn's record (``GET /leyline/sessions/{id}``)."""
@@ -272,6 +294,13 @@ class SessionRegistry:
                 if s.tenant == tenant and s.id == session_id:
                     return s
             return None
+
+    def find(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> ProxySession | None:
+        """The live session of ``tenant`` whose public id is the first of ``ids`` to name one
+        (see ``identity.public_ids``)."""
+        with self._lock:
+            by_id = {s.id: s for s in self._sessions.values() if s.tenant == tenant}
+        return next((by_id[i] for i in ids if i in by_id), None)
 
     def sessions(self, tenant: str | None = None) -> list[ProxySession]:
         """Live sessions (of ``tenant`` only, when given)."""
