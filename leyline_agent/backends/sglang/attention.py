@@ -235,19 +235,20 @@ def grouped_sdpa(
     query head over the whole key length; measured here (one thread, bf16, 4 query heads on one KV
     head, MLA absorbed widths, 8 queries) 9 ms at 10k keys and 50 ms at 20k. The ``group`` query
     heads of one KV head are instead stacked as ``group * q_len`` query rows against that head
-    (the mask repeated), which is the same arithmetic row by row: 3.3 and 7 ms, identical output.
+    (the mask repeated), which is the same arithmetic row by row: 3.3 and 7 ms, identical output;
+    decode (one query, no mask) 5.3 -> 1.2 ms at 10k keys. A causal call without a mask (a prefill
+    with no cached prefix) keeps SDPA's fused causal kernel, faster than any explicit mask (4,000
+    tokens: 0.79 s against 1.0 s stacked).
     """
     hq, n, _ = q.shape
     hk = k.shape[0]
-    if hq == hk:
+    if hq == hk or is_causal:  # NOTE: the fused causal kernel beats a stacked explicit mask
         out = scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-            attn_mask=mask, scale=scale, is_causal=is_causal,
+            attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=hq != hk,
         )  # fmt: skip
         return out.squeeze(0)
     group = hq // hk
-    if is_causal:
-        mask = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).tril()
     stacked = q.reshape(hk, group * n, q.shape[-1])
     out = scaled_dot_product_attention(
         stacked.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
