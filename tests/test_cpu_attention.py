@@ -192,13 +192,14 @@ def test_grouped_sdpa_equals_sdpa_with_enable_gqa() -> None:
     from leyline_agent.backends.sglang.attention import grouped_sdpa
 
     torch.manual_seed(0)
-    q, k, v = torch.randn(8, 5, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 12)
-    mask = torch.rand(5, 5) > 0.3
-    mask[:, 0] = True
-    for m, causal in ((mask, False), (None, True), (None, False)):
-        want = sdpa(q[None], k[None], v[None], attn_mask=m, is_causal=causal, enable_gqa=True)[0]
-        got = grouped_sdpa(q, k, v, m, causal, None)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for n in (5, 100):  # stacked, and past FOLD_MAX_QUERIES
+        q, k, v = torch.randn(8, n, 16), torch.randn(2, n, 16), torch.randn(2, n, 12)
+        mask = torch.rand(n, n) > 0.3
+        mask[:, 0] = True
+        for m, causal in ((mask, False), (None, True), (None, False)):
+            want = sdpa(q[None], k[None], v[None], attn_mask=m, is_causal=causal, enable_gqa=True)
+            got = grouped_sdpa(q, k, v, m, causal, None)
+            torch.testing.assert_close(got, want[0], atol=1e-6, rtol=1e-6)
 
 
 def test_zero_length_extend_is_skipped() -> None:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from leyline_agent.backends.sglang.compat import ModelRunner
 
 BACKEND_NAME = "leyline_cpu"
+FOLD_MAX_QUERIES = 64  # grouped_sdpa stacks query heads up to this many queries per request
 
 
 class LeylineCpuAttnBackend(TorchNativeAttnBackend):
@@ -236,13 +237,16 @@ def grouped_sdpa(
     head, MLA absorbed widths, 8 queries) 9 ms at 10k keys and 50 ms at 20k. The ``group`` query
     heads of one KV head are instead stacked as ``group * q_len`` query rows against that head
     (the mask repeated), which is the same arithmetic row by row: 3.3 and 7 ms, identical output;
-    decode (one query, no mask) 5.3 -> 1.2 ms at 10k keys. A causal call without a mask (a prefill
-    with no cached prefix) keeps SDPA's fused causal kernel, faster than any explicit mask (4,000
-    tokens: 0.79 s against 1.0 s stacked).
+    decode (one query, no mask) 5.3 -> 1.2 ms at 10k keys. Only up to ``FOLD_MAX_QUERIES`` queries
+    (beyond it stacking was slower), and a causal call without a mask (a prefill with no cached
+    prefix) keeps SDPA's fused causal kernel (4,000 tokens: 0.79 s against 1.0 s stacked).
     """
     hq, n, _ = q.shape
     hk = k.shape[0]
-    if hq == hk or is_causal:  # NOTE: the fused causal kernel beats a stacked explicit mask
+    # NOTE: the fused causal kernel beats a stacked explicit mask; stacking pays off for few
+    # queries only (measured, bf16, 4 heads on 1: 64 queries 8 vs 20 ms at 4k keys, 256 queries
+    # 44 vs 41 ms, 2,000 queries 1.37 vs 1.07 s at 10k keys)
+    if hq == hk or is_causal or n > FOLD_MAX_QUERIES:
         out = scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=hq != hk,
