@@ -77,9 +77,12 @@ def cached_seq(c: httpx.Client, n: int, seed: int, key: str) -> list[int]:
 
 
 def assert_integrity(st: dict[str, Any]) -> None:
-    """Idle-server invariants: free + cached == total, no slot owned twice, no lock left."""
+    """Idle-server invariants: free + cached == total, no slot owned twice, no lock left but the
+    pins'."""
     assert st["ok"], st
     assert st["duplicate_slots"] == 0 and st["tree_and_free_list"] == 0, st
     assert st["free"] + st["cached"] == st["total"], st
-    assert st["evictable"] + st["protected"] == st["cached"] and st["protected"] == 0, st
+    # the only locks left on an idle server are the pins' (other tests' sessions pin with a TTL)
+    assert st["evictable"] + st["protected"] == st["cached"], st
+    assert st["protected"] == st.get("pinned_slots", 0), st
     assert st["sglang_idle_check"], st

@@ -44,7 +44,9 @@ def test_chat_splices_and_caches_every_token_before_the_new_turn(
 def test_chat_without_splice_reprefills_from_the_first_edit(
     leyline_server: str, turns: list[list[dict[str, Any]]]
 ) -> None:
-    session = LeylineSession(leyline_server, POLICY, splice=False)
+    # NOTE: sharing off: in the tenant's shared namespace the bound is the whole prompt (any
+    # other session may have cached a prefix of it); here it must be the session's own history
+    session = LeylineSession(leyline_server, POLICY, splice=False, share_exact=False)
     plans = expected_plans(POLICY, turns[:4])
     for messages in turns[:4]:
         session.chat(messages, tools=TOOLS, max_tokens=1, temperature=0)

@@ -25,7 +25,14 @@ SPEC = RopeSpec.from_hf_config(EMBEDDED.to_hf())
 
 @pytest.fixture()
 def http(leyline_server: str) -> Iterator[httpx.Client]:
+    """The session's server, emptied first: pins other modules' sessions left (with their TTL)
+    would move the counters these tests compare."""
     with httpx.Client(base_url=leyline_server, timeout=600) as c:
+        for _ in range(240):  # SGLang refuses while a request runs
+            if c.post("/flush_cache").status_code == 200:
+                break
+            time.sleep(0.5)
+        assert stats(c)["pins"] == 0
         yield c
 
 

@@ -24,7 +24,7 @@ def idle_invariants_hold(st: dict[str, Any]) -> bool:
         and st["duplicate_slots"] == 0
         and st["tree_and_free_list"] == 0
         and st["free"] + st["cached"] == st["total"]
-        and st["protected"] == 0
+        and st["protected"] == st.get("pinned_slots", 0)  # no lock left but the pins'
         and st["sglang_idle_check"]
     )
 
