@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+from bench_planning import TOOLS  # the same one-tool (bash) schema as the planning bench
 
 from leyline_agent import LeylineSession
 from leyline_agent.backends.sglang.launch import EmbeddedServer
@@ -44,16 +45,6 @@ from leyline_agent.runinfo import git_commit, machine
 
 POLICY = "stale_tool_outputs:keep_last=1"
 WORDS = "file line error test module import value return class def self path output".split()
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "bash",
-            "description": "Run a shell command.",
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-        },
-    }
-]
 
 
 def text(rng: random.Random, tokens: int) -> str:

@@ -115,26 +115,19 @@ class LeylineCpuAttnBackend(TorchNativeAttnBackend):
             end_q = start_q + extend_len
             if extend_len == 0:
                 continue
-            if encoder_lens_l is None:
-                start_kv, end_kv = 0, seq_len_kv
-            elif is_cross_attn:
-                start_kv, end_kv = 0, encoder_lens_l[i]
-            else:
-                start_kv, end_kv = encoder_lens_l[i], encoder_lens_l[i] + seq_len_kv
-
             per_req_query = query[:, start_q:end_q, :]
-            per_req_tokens = req_to_token[req_pool_indices[i], start_kv:end_kv]
-            per_req_key = k_cache[per_req_tokens].movedim(0, query.dim() - 2)
-            per_req_value = v_cache[per_req_tokens].movedim(0, query.dim() - 2)
-            if not (per_req_query.dtype == per_req_key.dtype == per_req_value.dtype):
-                per_req_key = per_req_key.to(per_req_query.dtype)
-                per_req_value = per_req_value.to(per_req_query.dtype)
+            per_req_key, per_req_value = _request_kv(
+                k_cache, v_cache, req_to_token[req_pool_indices[i]], seq_len_kv,
+                encoder_lens_l[i] if encoder_lens_l is not None else None, is_cross_attn,
+                per_req_query.dtype,
+            )  # fmt: skip
+            kv_len = per_req_key.shape[1]
 
             attn_mask, is_causal = None, False
             if causal and window > -1:
                 attn_mask = self._make_sliding_window_mask(
                     q_len=extend_len,
-                    kv_len=end_kv - start_kv,
+                    kv_len=kv_len,
                     sliding_window_size=window,
                     device=per_req_query.device,
                     query_offset=prefix_len,
@@ -142,7 +135,7 @@ class LeylineCpuAttnBackend(TorchNativeAttnBackend):
             elif causal and prefix_len > 0:
                 attn_mask = self._offset_causal_mask(
                     q_len=extend_len,
-                    kv_len=end_kv - start_kv,
+                    kv_len=kv_len,
                     query_offset=prefix_len,
                     device=per_req_query.device,
                 )
@@ -182,19 +175,12 @@ class LeylineCpuAttnBackend(TorchNativeAttnBackend):
         seq_lens_l = seq_lens.tolist()
         encoder_lens_l = encoder_lens.tolist() if encoder_lens is not None else None
         for i, seq_len_kv in enumerate(seq_lens_l):
-            if encoder_lens_l is None:
-                start_kv, end_kv = 0, seq_len_kv
-            elif is_cross_attn:
-                start_kv, end_kv = 0, encoder_lens_l[i]
-            else:
-                start_kv, end_kv = encoder_lens_l[i], encoder_lens_l[i] + seq_len_kv
             per_req_query = query[:, i : i + 1, :]
-            per_req_tokens = req_to_token[req_pool_indices[i], start_kv:end_kv]
-            per_req_key = k_cache[per_req_tokens].movedim(0, query.dim() - 2)
-            per_req_value = v_cache[per_req_tokens].movedim(0, query.dim() - 2)
-            if not (per_req_query.dtype == per_req_key.dtype == per_req_value.dtype):
-                per_req_key = per_req_key.to(per_req_query.dtype)
-                per_req_value = per_req_value.to(per_req_query.dtype)
+            per_req_key, per_req_value = _request_kv(
+                k_cache, v_cache, req_to_token[req_pool_indices[i]], seq_len_kv,
+                encoder_lens_l[i] if encoder_lens_l is not None else None, is_cross_attn,
+                per_req_query.dtype,
+            )  # fmt: skip
             attn_mask, is_causal = None, causal
             if sliding_window_size is not None and sliding_window_size > -1:
                 attn_mask = self._make_sliding_window_mask(
@@ -210,6 +196,31 @@ class LeylineCpuAttnBackend(TorchNativeAttnBackend):
             )
             output[i : i + 1, :, :] = per_req_out.movedim(query.dim() - 2, 0)
         return output
+
+
+def _request_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row: torch.Tensor,
+    seq_len: int,
+    encoder_len: int | None,
+    is_cross_attn: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's keys and values, ``[kv_heads, kv_len, dim]`` in ``dtype``, gathered from the
+    pool through its ``req_to_token`` ``row``: its ``seq_len`` tokens (after the encoder's, for an
+    encoder-decoder model), or the encoder's for cross-attention (as the parent's loops do)."""
+    if encoder_len is None:
+        start, end = 0, seq_len
+    elif is_cross_attn:
+        start, end = 0, encoder_len
+    else:
+        start, end = encoder_len, encoder_len + seq_len
+    tokens = row[start:end]
+    key, value = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
+    if not (dtype == key.dtype == value.dtype):
+        key, value = key.to(dtype), value.to(dtype)
+    return key, value
 
 
 def grouped_sdpa(
