@@ -167,7 +167,7 @@ def test_a_pin_survives_eviction_until_its_ttl_passes() -> None:
 
 
 def test_pin_cap_counts_shared_slots_once_and_refuses_beyond_it() -> None:
-    from leyline_agent.backends.sglang.preflight import SpliceError
+    from leyline_agent.backends.sglang.errors import SpliceError
 
     tree, _ = pinned_tree(size=256, fraction=0.5)  # cap 128 slots
     put(tree, list(range(100)), "p")

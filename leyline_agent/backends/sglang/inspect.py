@@ -13,7 +13,8 @@ import logging
 from typing import Any
 
 from leyline_agent.backends.sglang import integrity
-from leyline_agent.backends.sglang.preflight import Served, SpliceError, debug_enabled
+from leyline_agent.backends.sglang.errors import SpliceError, debug_enabled
+from leyline_agent.backends.sglang.preflight import Served
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leyline_agent.backends.sglang.errors import SpliceError
+
 if TYPE_CHECKING:
     from leyline_agent.backends.sglang.compat import TreeNode
     from leyline_agent.backends.sglang.radix import LeylineRadixCache
@@ -108,7 +110,6 @@ class Ledger:
         Raises ``SpliceError`` 503 when the pool cannot give them.
         """
         from leyline_agent.backends.sglang.compat import alloc_token_slots
-        from leyline_agent.backends.sglang.preflight import SpliceError
 
         fault("alloc")
         try:

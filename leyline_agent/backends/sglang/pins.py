@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from leyline_agent.backends.sglang.errors import SpliceError
+
 if TYPE_CHECKING:
     from leyline_agent.backends.sglang.compat import TreeNode
     from leyline_agent.backends.sglang.radix import LeylineRadixCache
@@ -103,8 +105,6 @@ class Pins:
         Raises:
             SpliceError: 429 when the pinned slots would exceed the cap (nothing pinned then).
         """
-        from leyline_agent.backends.sglang.preflight import SpliceError
-
         self.expire()
         nodes = self._nodes(self._path(node))
         after = sum(len(n.value) for n in nodes if n.value is not None)

@@ -3,16 +3,16 @@
 ``Served`` resolves, once per scheduler, what the server must offer for a splice (the Leyline
 radix cache with page size 1, a KV pool ``kv_layout`` knows, a RoPE ``served_rope`` can reproduce)
 and checks each request's token ids; ``check_forget_span`` and ``check_capacity`` run under the
-splice's lock. Every refusal is a :class:`SpliceError` carrying its HTTP status and changes
-nothing.
+splice's lock. Every refusal is a :class:`SpliceError` (``errors.py``) carrying its HTTP status
+and changes nothing.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from leyline_agent.backends.sglang.errors import SpliceError
 from leyline_agent.backends.sglang.kv_layout import (
     KVLayout,
     UnsupportedKV,
@@ -27,19 +27,6 @@ from leyline_agent.kernels.rope import RopeBand, RopeSpec
 if TYPE_CHECKING:
     from leyline_agent.backends.sglang.compat import Scheduler, TreeNode
     from leyline_agent.backends.sglang.ledger import Ledger
-
-
-class SpliceError(Exception):
-    """A splice that cannot run; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def debug_enabled() -> bool:
-    """``LEYLINE_DEBUG_ENDPOINTS=1``: the test-only request fields and debug views are honoured."""
-    return os.environ.get("LEYLINE_DEBUG_ENDPOINTS") == "1"
 
 
 class Served:

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import BaseModel, ValidationError
 
+from leyline_agent.backends.sglang.errors import SpliceError, debug_enabled
 from leyline_agent.backends.sglang.ledger import FaultInjector, InjectedFault, Ledger, Timer
 from leyline_agent.backends.sglang.plan import (
     Copy,
@@ -70,11 +71,9 @@ from leyline_agent.backends.sglang.plan import (
 from leyline_agent.backends.sglang.prefill import prefill_tokens
 from leyline_agent.backends.sglang.preflight import (
     Served,
-    SpliceError,
     check_cached,
     check_capacity,
     check_forget_span,
-    debug_enabled,
 )
 from leyline_agent.backends.sglang.wire import (
     ForkRequest,
