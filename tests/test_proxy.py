@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -23,7 +24,7 @@ import openai
 import pytest
 import uvicorn
 
-from leyline_agent.backends.sglang.launch import free_port
+from leyline_agent.backends.sglang.launch import free_port, read_tail, wait_healthy
 from leyline_agent.chat.openai import chat_request_view
 from leyline_agent.client import LeylineClient
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, create_app, metrics
@@ -137,22 +138,14 @@ def proxy_process(args: list[str]) -> Iterator[str]:
     """``leyline proxy ARGS`` in a subprocess; yields its base URL."""
     port = free_port()
     argv = [sys.executable, "-m", "leyline_agent.cli", "proxy", "--port", str(port), *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log_path = Path(tempfile.mkstemp(prefix="leyline-proxy-", suffix=".log")[1])
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                raise RuntimeError(f"leyline proxy exited ({proc.returncode}):\n{out[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("leyline proxy did not start")
-            time.sleep(0.2)
+        wait_healthy(
+            url, proc, 60, name="leyline proxy", log_tail=lambda: read_tail(log_path), poll_s=0.2
+        )
         yield url
     finally:
         proc.terminate()

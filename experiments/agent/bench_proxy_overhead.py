@@ -26,34 +26,35 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import httpx
 from bench_planning import TOOLS  # the same one-tool (bash) schema as the planning bench
 from openai import OpenAI
 
-from leyline_agent.backends.sglang.launch import free_port
+from leyline_agent.backends.sglang.launch import ServerError, free_port, read_tail, wait_healthy
 
 WORDS = "file line error test module import value return class def self path output".split()
 
 
 def start(argv: list[str], url: str, timeout: float = 600.0) -> subprocess.Popen[bytes]:
     """Start ``leyline ARGV`` and wait until ``URL/health`` answers 200."""
-    log = tempfile.NamedTemporaryFile(prefix="bench-proxy-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "leyline_agent.cli", *argv], stdout=log, stderr=subprocess.STDOUT
-    )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{argv[0]} exited; log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"{argv[0]} did not answer in {timeout:.0f} s; log: {log.name}")
+    log = Path(tempfile.mkstemp(prefix="bench-proxy-", suffix=".log")[1])
+    with log.open("wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "leyline_agent.cli", *argv], stdout=f, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_healthy(
+            url,
+            proc,
+            timeout,
+            name=f"leyline {argv[0]}",
+            log_tail=lambda: f"{read_tail(log)}\nlog: {log}",
+        )
+    except ServerError:
+        proc.kill()
+        raise
+    return proc
 
 
 def tool_output(rng: random.Random, n_words: int) -> str:

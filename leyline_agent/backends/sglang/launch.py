@@ -7,9 +7,10 @@ whose extend attends from the new tokens only, so an extend after a long cached 
 arguments to get SGLang's own back (the last occurrence wins).
 
 ``EmbeddedServer`` starts and stops a ``leyline serve`` process (tests, ``leyline replay``,
-``leyline bench``, ``leyline eval debug-gym`` without ``--backend``). Pure Python (httpx +
-subprocess; no sglang import here), so the agent side imports this module on a core install; the
-server process itself needs the sglang extra.
+``leyline bench``, ``leyline eval debug-gym`` without ``--backend``); ``wait_healthy`` is its wait
+for ``/health``, shared with the tests and benches that start a server or proxy themselves. Pure
+Python (httpx + subprocess; no sglang import here), so the agent side imports this module on a
+core install; the server process itself needs the sglang extra.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -142,6 +144,53 @@ class ServerError(RuntimeError):
     """The server did not come up; the message carries the tail of its log."""
 
 
+def read_tail(path: Path, n: int = 40) -> str:
+    """The last ``n`` lines of the log at ``path`` ("" when unreadable), without the long
+    ``server_args=`` line SGLang prints at start."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(ln for ln in lines[-n:] if "server_args=" not in ln)
+
+
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float,
+    *,
+    name: str = "server",
+    log_tail: Callable[[], str] | None = None,
+    poll_s: float = 1.0,
+) -> None:
+    """Wait until ``url + "/health"`` answers 200 while ``proc`` (the process serving it) runs.
+
+    ``name`` opens the error message; ``log_tail`` (when given) is called for the text that ends
+    it (the process's log tail). ``proc`` is left as it is on failure: stopping it is the
+    caller's.
+
+    Raises:
+        ServerError: ``proc`` exited (with its exit code) or ``/health`` did not answer 200
+            within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            problem = f"{name} exited ({proc.returncode})"
+            break
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() >= deadline:
+            problem = f"{name} not ready after {timeout:.0f}s"
+            break
+        time.sleep(poll_s)
+    tail = log_tail() if log_tail is not None else ""
+    raise ServerError(f"{problem}:\n{tail}" if tail else problem)
+
+
 class EmbeddedServer:
     """``with EmbeddedServer() as srv: httpx.get(srv.url + "/health")``.
 
@@ -186,31 +235,25 @@ class EmbeddedServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(ln for ln in lines[-n:] if "server_args=" not in ln)
+        return read_tail(self.log_path, n)
 
     def start(self) -> EmbeddedServer:
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(
-                    f"leyline serve exited ({self.proc.returncode}):\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise ServerError(f"leyline serve not ready after {self.timeout:.0f}s:\n{self.log_tail()}")
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        try:
+            wait_healthy(
+                self.url, self.proc, self.timeout, name="leyline serve", log_tail=self.log_tail
+            )
+        except ServerError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
