@@ -9,6 +9,7 @@ the copy inside its wheel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from shared_data import shared_dir
 from typer.testing import CliRunner
 
+from leyline_agent.accounting import Totals
 from leyline_agent.arms import arm_switch
 from leyline_agent.evals.debug_gym import venv
 from leyline_agent.evals.debug_gym.driver import allowed_tools
@@ -28,7 +30,7 @@ from leyline_agent.evals.debug_gym.grammar import (
     tool_call_grammar,
 )
 from leyline_agent.evals.debug_gym.runner import EvalError, session_totals, tools_for
-from leyline_agent.evals.debug_gym.spec import EvalSpec, parse_tasks
+from leyline_agent.evals.debug_gym.spec import ROW_OMITS, EvalSpec, TaskResult, parse_tasks
 from leyline_agent.evals.debug_gym.venv import requirements_key, write_tree_shim
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,6 +129,30 @@ def test_session_totals_split_edited_turns() -> None:
     assert t.reused_tokens == 135 and t.server_cached_tokens == 140
     assert t.edited_prefilled_tokens == 15 and t.splice_prefilled_tokens == 5
     assert session_totals(None).turns == 0
+
+
+# The keys of a results.json task row (before TaskResult was built from Totals).
+ROW_KEYS = {
+    "arm", "task", "session", "resolved", "steps", "tool_calls", "empty_tool_responses",
+    "submitted", "patch_lines", "turns", "edited_turns", "policy_edited_turns", "spliced_turns",
+    "splice_misses", "prompt_tokens", "reused_tokens", "server_cached_tokens",
+    "best_reused_tokens", "prefilled_tokens", "splice_prefilled_tokens", "edited_prompt_tokens",
+    "edited_prefilled_tokens", "wall_s", "error",
+}  # fmt: skip
+
+
+def test_task_result_rows_are_flat_and_carry_the_totals() -> None:
+    totals = dataclasses.replace(session_totals(None), turns=3, prompt_tokens=90, splice_ms=2.5)
+    r = TaskResult(arm="splice", task="counter", session="s", steps=3, totals=totals)
+    row = r.model_dump(mode="json")
+    assert ROW_KEYS <= set(row) and "totals" not in row
+    assert set(row) == ROW_KEYS | {f.name for f in dataclasses.fields(Totals)} - ROW_OMITS
+    assert list(row)[-2:] == ["wall_s", "error"]
+    assert (row["turns"], row["prompt_tokens"], row["steps"]) == (3, 90, 3)
+    back = TaskResult.model_validate(row)  # a row reads back (the omitted fields at 0)
+    assert back.totals.prompt_tokens == 90 and back.totals.splice_ms == 0.0
+    assert back.model_dump(mode="json") == row
+    assert TaskResult(arm="none", task="c", session="s").totals == Totals()
 
 
 def test_requirements_key_changes_with_every_pin(monkeypatch: pytest.MonkeyPatch) -> None:

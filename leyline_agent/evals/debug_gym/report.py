@@ -60,7 +60,7 @@ def arm_totals(rows: Sequence[TaskResult]) -> dict[str, Any]:
         out[key] = sum(getattr(r, key) for r in rows)
     totals = Totals()
     for r in rows:
-        totals.merge(r.totals())
+        totals.merge(r.totals)
     summed = totals.as_dict()
     out.update({k: summed[k] for k in _TOTALS})
     out["wall_s"] = round(sum(r.wall_s for r in rows), 2)
@@ -101,11 +101,12 @@ def table(summary: dict[str, dict[str, Any]], run: EvalRun) -> Table:
     for col in ("prompt tok", "prefilled", "hit rate", "edited prefilled", "wall s"):
         t.add_column(col, justify="right")
     for r in sorted(run.results, key=lambda r: (r.task, run.spec.arms.index(r.arm))):
-        hit = r.totals().hit_rate
+        hit = r.totals.hit_rate
         t.add_row(
             r.task, r.arm, "yes" if r.resolved else ("error" if r.error else "no"),
-            str(r.steps), str(r.tool_calls), str(r.edited_turns), str(r.prompt_tokens),
-            str(r.prefilled_tokens), f"{hit:.0%}", str(r.edited_prefilled_tokens),
+            str(r.steps), str(r.tool_calls), str(r.totals.edited_turns),
+            str(r.totals.prompt_tokens), str(r.totals.prefilled_tokens), f"{hit:.0%}",
+            str(r.totals.edited_prefilled_tokens),
             f"{r.wall_s:.1f}",
         )  # fmt: skip
     t.add_section()

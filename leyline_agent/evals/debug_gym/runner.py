@@ -127,14 +127,15 @@ def run_arm(ctx: ArmContext, arm: Arm, on_event: Callable[[Event], None]) -> lis
             fields = {
                 k: end[k]
                 for k in TaskResult.model_fields
-                if k in end and k not in ("arm", "task", "session")
+                if k in end and k not in ("arm", "task", "session", "totals")
             }
             detail = proxy.session(sessions[task])
             if detail is not None and (out / task).is_dir():  # the proxy's per-turn records
                 (out / task / "proxy_session.json").write_text(json.dumps(detail, indent=1))
-            totals = session_totals(detail).as_dict()
-            kept = {k: v for k, v in totals.items() if k in TaskResult.model_fields}
-            results.append(TaskResult(arm=arm, task=task, session=sessions[task], **fields, **kept))
+            totals = session_totals(detail)
+            results.append(
+                TaskResult(arm=arm, task=task, session=sessions[task], **fields, totals=totals)
+            )
     return results
 
 

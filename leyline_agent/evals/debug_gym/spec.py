@@ -13,8 +13,17 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from leyline_agent.accounting import Totals
 from leyline_agent.arms import ARMS, DEFAULT_POLICY, Arm
@@ -94,11 +103,30 @@ def parse_tasks(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+# Totals fields a results.json row leaves out (per-turn timings, directive counts, rotated
+# tokens, misses by reason: the arm totals and proxy_session.json carry them); every other field,
+# a new one included, is a key of each row.
+ROW_OMITS = frozenset(
+    {
+        "rotated_tokens",
+        "directives_amortize",
+        "directives_forget",
+        "splice_ms",
+        "request_ms",
+        "misses_by_reason",
+    }
+)
+TOTALS_FIELDS = frozenset(f.name for f in fields(Totals))
+
+
 class TaskResult(BaseModel):
-    """One task under one arm. From ``turns`` on: the ``accounting.Totals`` of the task's turns
-    as the proxy recorded them (``/leyline/sessions/{id}``; names defined in ``accounting.py``):
+    """One task under one arm. ``totals``: the ``accounting.Totals`` of the task's turns as the
+    proxy recorded them (``/leyline/sessions/{id}``; names defined in ``accounting.py``):
     ``edited_*`` cover only the turns whose prompt had directives (the policy's edits or the
-    agent's own mutations); ``policy_edited_turns``: turns the policy edited."""
+    agent's own mutations); ``policy_edited_turns``: turns the policy edited.
+
+    A row (``model_dump``, the ``tasks`` of ``results.json``) is flat: the totals' fields (but
+    ``ROW_OMITS``) stand in place of ``totals``; validation takes such a row back."""
 
     arm: Arm
     task: str
@@ -109,25 +137,28 @@ class TaskResult(BaseModel):
     empty_tool_responses: int = 0
     submitted: bool = False
     patch_lines: int = 0
-    turns: int = 0
-    edited_turns: int = 0
-    policy_edited_turns: int = 0
-    spliced_turns: int = 0
-    splice_misses: int = 0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    server_cached_tokens: int = 0
-    best_reused_tokens: int = 0
-    prefilled_tokens: int = 0
-    splice_prefilled_tokens: int = 0
-    edited_prompt_tokens: int = 0
-    edited_prefilled_tokens: int = 0
+    totals: Totals = Field(default_factory=Totals)
     wall_s: float = 0.0
     error: str | None = None
 
-    def totals(self) -> Totals:
-        """The task's turn totals (the ``Totals`` fields this result carries)."""
-        return Totals(**{f.name: getattr(self, f.name) for f in fields(Totals) if f.name in KEPT})
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, data: Any) -> Any:
+        """A flat row's totals fields into ``totals``."""
+        if not isinstance(data, dict) or "totals" in data:
+            return data
+        flat = {k: v for k, v in data.items() if k in TOTALS_FIELDS}
+        if not flat:
+            return data
+        rest = {k: v for k, v in data.items() if k not in TOTALS_FIELDS}
+        return {**rest, "totals": flat}
 
-
-KEPT = frozenset(TaskResult.model_fields) & {f.name for f in fields(Totals)}
+    @model_serializer(mode="wrap")
+    def _flatten(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        for k, v in handler(self).items():
+            if k == "totals":
+                row.update({n: x for n, x in v.items() if n not in ROW_OMITS})
+            else:
+                row[k] = v
+        return row
