@@ -31,15 +31,27 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel
 
 from leyline_agent.directive import Mode
+from leyline_agent.wire import SpliceResponse
 
 if TYPE_CHECKING:
-    from leyline_agent.session import Pending
     from leyline_agent.wrapper import TurnPlan
+
+
+class SpliceOutcome(NamedTuple):
+    """What a turn's splice did: the backend's answer (None: no splice ran), why it could not
+    run (``error``, ``reason``: ``client.miss_reason``), its time in ms, and the turn's
+    ``best_reused`` bound."""
+
+    response: SpliceResponse | None = None
+    error: str | None = None
+    reason: str | None = None
+    ms: float = 0.0
+    best_reused: int = 0
 
 
 class TurnRecord(BaseModel):
@@ -70,15 +82,22 @@ class TurnRecord(BaseModel):
 
     @classmethod
     def of(
-        cls, pending: Pending, *, turn: int, prompt_tokens: int, cached_tokens: int, **rest: Any
+        cls,
+        plan: TurnPlan,
+        splice: SpliceOutcome,
+        *,
+        turn: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        **rest: Any,
     ) -> TurnRecord:
-        """The record of a finished turn: ``pending`` (``SessionCore.begin``'s plan and splice)
-        and the request's figures (``cached_tokens``: the backend's count). ``rest``: the
+        """The record of a finished turn: its ``plan`` (``TurnPlan``), what its splice did, and
+        the request's figures (``cached_tokens``: the backend's count). ``rest``: the
         request-side fields (``request_ms``, ``ttft_ms``, ``first_token``, ``render_mismatch``,
         ``resynced``, ``error``)."""
-        plan, splice = pending.plan, pending.splice
+        answer = splice.response
         modes = [d.mode for d in plan.directives]
-        splice_prefilled = splice.prefilled if splice else 0
+        splice_prefilled = answer.prefilled if answer else 0
         prefilled = prompt_tokens - cached_tokens + splice_prefilled
         return cls(
             turn=turn,
@@ -86,17 +105,17 @@ class TurnRecord(BaseModel):
             server_cached_tokens=cached_tokens,
             prefilled_tokens=prefilled,
             reused_tokens=max(0, prompt_tokens - prefilled),
-            best_reused_tokens=min(pending.best_reused, prompt_tokens),
+            best_reused_tokens=min(splice.best_reused, prompt_tokens),
             splice_prefilled_tokens=splice_prefilled,
-            rotated_tokens=splice.rotated if splice else 0,
+            rotated_tokens=answer.rotated if answer else 0,
             policy_edits=len(plan.edits),
             directives_amortize=modes.count(Mode.AMORTIZE),
             directives_forget=modes.count(Mode.FORGET),
             edited=bool(plan.directives),
-            spliced=splice is not None,
-            splice_error=pending.splice_error,
-            splice_miss_reason=pending.splice_miss_reason,
-            splice_ms=pending.splice_ms,
+            spliced=answer is not None,
+            splice_error=splice.error,
+            splice_miss_reason=splice.reason,
+            splice_ms=splice.ms,
             **rest,
         )
 

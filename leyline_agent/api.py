@@ -1,5 +1,5 @@
 """The in-process API for Python agent loops: ``LeylineSession``, one chat turn at a time through
-``SessionCore`` (the code path the proxy and ``leyline replay`` share)."""
+the chat-turn core (``chat_turn.py``, the proxy's too) over ``SessionCore``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from leyline_agent.accounting import TurnRecord
-from leyline_agent.backends.sglang.wire import PinResponse
-from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
 from leyline_agent.chat.render import Renderer
-from leyline_agent.chat.request import template_kwargs
+from leyline_agent.chat_turn import complete, prepare
 from leyline_agent.client import LeylineClient, PinRejected
-from leyline_agent.pins import DEFAULT_TTL_S, cache_marker
-from leyline_agent.session import DEFAULT_SHARED_NAMESPACE, SessionCore
+from leyline_agent.markers import DEFAULT_TTL_S
+from leyline_agent.placement import DEFAULT_SHARED_NAMESPACE
+from leyline_agent.retention import fork
+from leyline_agent.session import SessionCore
+from leyline_agent.wire import PinResponse
 from leyline_agent.wrapper import ConversationWrapper
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,10 @@ class LeylineSession:
 
     def fork(self, session_id: str | None = None, policy: Any = None) -> LeylineSession:
         """A new session (sub-agent) starting from this one's history, on the same backend
-        (``SessionCore.adopt``: a private session's KV is copied into the child's namespace).
+        (``retention.fork``: a private session's KV is copied into the child's namespace).
         ``policy``: the child's (default: this session's). Raises ``ForkRejected`` (e.g. 409:
         this session's KV was evicted)."""
-        core = self.core
+        core, where = self.core, self.core.placement
         child = LeylineSession(
             self.client.base_url,
             core.wrapper.policy if policy is None else policy,
@@ -87,23 +88,24 @@ class LeylineSession:
             model_path=core.wrapper.renderer,
             session_id=session_id,
             splice=core.splice_enabled,
-            share_exact=core.share_exact,
-            shared_namespace=core.shared_namespace,
+            share_exact=where.share_exact,
+            shared_namespace=where.shared,
             client=self.client,
         )
-        child.core.adopt(core)
+        fork(child.core, core)
         return child
 
     def pin(self, end: int | None = None, ttl_s: float = DEFAULT_TTL_S) -> PinResponse:
         """Keep the first ``end`` held tokens (None: all) resident for ``ttl_s`` seconds
-        (``SessionCore.pin``; one pin per session, renewed). Raises ``PinRejected``."""
-        return self.core.pin(end, ttl_s=ttl_s)
+        (``SessionPins.pin``; one pin per session, renewed). Raises ``PinRejected``, or
+        ``ValueError`` when nothing is held."""
+        return self.core.pins.pin(self.core.wrapper.tokens[:end], ttl_s=ttl_s)
 
     def close(self) -> None:
         """Release the session's pins; close the HTTP client when this session made it."""
         try:
-            if self.core.pinned is not None:
-                self.core.release_pins()
+            if self.core.pins.pinned is not None:
+                self.core.pins.release()
         finally:
             if self._owns_client:
                 self.client.close()
@@ -124,43 +126,31 @@ class LeylineSession:
         tools: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> dict[str, Any]:
-        """Send one turn. Raises ``httpx.HTTPStatusError`` when the backend answers an error
-        (a turn whose splice ran is still recorded, with its ``error``)."""
-        cont = bool(sampling.get("continue_final_message"))
-        self.core.set_cache_salt(sampling.get("cache_salt"))
-        view = chat_request_view(messages, tools, sampling.get("tool_choice"), cont)
-        pending = self.core.begin(
-            *view, template_kwargs=template_kwargs(sampling), continue_final=cont
-        )
-        body: dict[str, Any] = {"model": sampling.pop("model", self.model), **sampling}
-        body["return_prompt_token_ids"] = True
+        """Send one turn (``chat_turn.prepare`` → POST → ``chat_turn.complete``); ``sampling``:
+        the other fields of an OpenAI chat-completions body (``max_tokens``, ``cache_salt``,
+        ``tool_choice``, ``continue_final_message``, ...).
+
+        Raises:
+            RequestRefused: the backend would refuse the request (malformed messages, a prompt
+                past the context length): found before any splice, nothing changed.
+            PolicyError, DirectiveError, jinja2.TemplateError: as ``chat_turn.prepare``.
+            httpx.HTTPStatusError: the backend answered an error (a turn whose splice ran is
+                still recorded, with its ``error``).
+        """
+        body: dict[str, Any] = {"model": self.model, **sampling, "messages": list(messages)}
+        if tools:
+            body["tools"] = list(tools)
+        turn = prepare(self.core, body, context_len=self.client.context_len())
         t0 = time.perf_counter()
-        r = self.client.http.post("/v1/chat/completions", json=self.core.chat_body(pending, body))
+        r = self.client.http.post("/v1/chat/completions", json=turn.body)
         request_ms = (time.perf_counter() - t0) * 1e3
-        if r.status_code != 200 and pending.committed:
-            self.core.finish(
-                pending,
-                prompt_tokens=0,
-                cached_tokens=0,
-                request_ms=request_ms,
-                messages=messages,
-                error=f"backend {r.status_code}",
-                prefilled=False,
-            )
+        if r.status_code != 200 and turn.pending.committed:
+            complete(self.core, turn, None, request_ms=request_ms,
+                     error=f"backend status {r.status_code}")  # fmt: skip
         r.raise_for_status()
         data = r.json()
-        ids = pop_prompt_ids(data, keep=bool(sampling.get("return_prompt_token_ids")))
-        prompt, cached = read_usage(data, len(pending.plan.tokens))
-        self.core.finish(
-            pending,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            request_ms=request_ms,
-            messages=messages,
-            prompt_ids=ids,
-            completion_tokens=data["usage"].get("completion_tokens"),
-        )
-        marker = cache_marker(messages)  # NOTE: the view has no markers; same indices
+        complete(self.core, turn, data, request_ms=request_ms, prompt_ids=turn.prompt_ids(data))
+        marker = turn.marker
         if marker is not None:
             if marker.ttl_note is not None:  # NOTE: clamped to 24 h, or invalid: the default
                 log.warning(
@@ -169,7 +159,7 @@ class LeylineSession:
                 )  # fmt: skip
             try:
                 self.pin_error = None
-                self.core.pin_marked(pending, marker)
+                self.core.pins.pin_marked(self.core.wrapper.tokens, turn.pending.plan, marker)
             except PinRejected as e:
                 self.pin_error = str(e)
         return data

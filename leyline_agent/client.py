@@ -1,7 +1,7 @@
 """HTTP client for a Leyline-enabled SGLang server (``leyline serve``). Pure httpx.
 
 Endpoints: ``POST /leyline/splice``, ``/leyline/fork``, ``/leyline/pin``, ``/leyline/unpin``
-(see ``backends/sglang/wire.py`` for the bodies and the response fields), ``GET /leyline/stats``,
+(see ``leyline_agent/wire.py`` for the bodies and the response fields), ``GET /leyline/stats``,
 and SGLang's own ``POST /generate`` with ``input_ids``.
 """
 
@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from leyline_agent.backends.sglang.wire import (
+from leyline_agent.directive import Directive
+from leyline_agent.wire import (
     ForkRequest,
     ForkResponse,
     Namespace,
@@ -21,7 +22,6 @@ from leyline_agent.backends.sglang.wire import (
     SpliceResponse,
     UnpinRequest,
 )
-from leyline_agent.directive import Directive
 
 
 class SpliceRejected(RuntimeError):
@@ -112,6 +112,7 @@ class LeylineClient:
         self.http = httpx.Client(
             base_url=self.base_url, timeout=timeout, headers=auth_headers(api_key)
         )
+        self._context_len: int | None = None
 
     def close(self) -> None:
         self.http.close()
@@ -252,3 +253,16 @@ class LeylineClient:
         r = self.http.get("/leyline/stats")
         r.raise_for_status()
         return r.json()
+
+    def context_len(self) -> int | None:
+        """The served model's context length in tokens (``max_model_len`` of
+        ``GET /v1/models``), read once; None while the backend does not say (unreachable, or an
+        answer without it)."""
+        if self._context_len is None:
+            try:
+                r = self.http.get("/v1/models")
+                value = (r.json().get("data") or [{}])[0].get("max_model_len")
+            except (httpx.HTTPError, ValueError, AttributeError, IndexError):
+                return None
+            self._context_len = value if isinstance(value, int) and value > 0 else None
+        return self._context_len

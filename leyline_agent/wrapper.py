@@ -237,6 +237,11 @@ class ConversationWrapper:
         self._last = plan
         self._turn += 1
 
+    def adopt(self, other: ConversationWrapper) -> None:
+        """Continue from ``other``'s state (a fork): its held tokens, last plan and turn count;
+        the next plan diffs against them."""
+        self.tokens, self._last, self._turn = list(other.tokens), other._last, other._turn
+
     def hold(self, tokens: Sequence[int]) -> None:
         """Record that the server now holds ``tokens`` for the last committed plan (a turn
         committed at its splice whose request then prefilled more, or other tokens)."""

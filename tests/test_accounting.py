@@ -10,6 +10,7 @@ import pytest
 
 from leyline_agent.accounting import Totals, TurnRecord
 from leyline_agent.client import LeylineClient
+from leyline_agent.generate_turn import generate_turn
 from leyline_agent.session import SessionCore
 from leyline_agent.wrapper import ConversationWrapper
 
@@ -89,9 +90,9 @@ def test_best_is_the_whole_prompt_while_the_namespace_is_shared() -> None:
     that another session's prefix served)."""
     backend = PrefixCache()
     a, b = _core(backend, share_exact=True), _core(backend, share_exact=True)
-    assert a.request_namespace == b.request_namespace != a.namespace
-    a.generate([SYSTEM, ASK])
-    record, _ = b.generate([SYSTEM, MORE])
+    assert a.placement.extra_key == b.placement.extra_key != a.placement.own
+    generate_turn(a, [SYSTEM, ASK])
+    record, _ = generate_turn(b, [SYSTEM, MORE])
     assert record.reused_tokens > 0 and record.best_reused_tokens >= record.reused_tokens
     assert record.best_reused_tokens == record.prompt_tokens
 
@@ -109,7 +110,7 @@ def test_best_counts_the_reply_the_backend_cached() -> None:
     backend.reply = second.tail[:5]  # the reply's first tokens, as the next prompt renders them
     core = _core(backend)
     for messages in turns:
-        record, _ = core.generate(messages)
+        record, _ = generate_turn(core, messages)
     assert record.server_cached_tokens == len(first.tokens) + 5  # the reply was reused
     assert record.reused_tokens == record.server_cached_tokens
     assert record.best_reused_tokens == record.reused_tokens  # the bound holds, and is tight

@@ -20,6 +20,8 @@ from leyline_agent.backends.sglang.dp import (
     merge_stats,
     namespace_key,
     pick_reply,
+    pin_prefix,
+    rank_of_pin,
 )
 from leyline_agent.backends.sglang.launch import EmbeddedServer, cpu_rank_count, cpu_threads_bind
 
@@ -73,6 +75,13 @@ def test_pick_reply_aggregate_rule():
     assert pick_reply([Reply(1, 200, "b"), Reply(0, 200, "a")], None).body == "a"
     # a single worker (no DP) is answered as before
     assert pick_reply([Reply(0, 422, "x")], None).status == 422
+
+
+def test_pin_ids_name_their_rank():
+    for rank in (0, 1, 12):
+        assert rank_of_pin(f"{pin_prefix(rank)}-0123abcd") == rank
+    assert rank_of_pin("p-0123abcd") is None  # the default prefix (no DP rank)
+    assert rank_of_pin("unknown") is None and rank_of_pin("") is None
 
 
 def test_merge_stats():

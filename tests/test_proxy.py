@@ -28,6 +28,7 @@ from leyline_agent.backends.sglang.launch import free_port, read_tail, wait_heal
 from leyline_agent.chat.openai import chat_request_view
 from leyline_agent.client import LeylineClient
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, create_app, metrics
+from leyline_agent.proxy.identity import SessionKey
 from leyline_agent.session import SessionCore, TurnRecord
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 
@@ -418,12 +419,15 @@ def test_bad_request_is_a_400() -> None:
         assert r.status_code == 400 and "messages" in r.json()["message"]  # the backend's format
 
 
-def _core(session_id: str, namespace: str | None = None) -> SessionCore:
+def _core(key: SessionKey, cache_salt: str | None = None) -> SessionCore:
+    """The registry's ``new_core``: the key's namespaces, the salt it starts with."""
     return SessionCore(
         LeylineClient("http://127.0.0.1:9"),
         ConversationWrapper(),
-        session_id=session_id,
-        namespace=namespace,
+        session_id=key.public_id,
+        namespace=key.namespace,
+        cache_salt=cache_salt,
+        shared_namespace=key.shared_namespace,
     )
 
 

@@ -16,14 +16,22 @@ from leyline_agent.routing import rank
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
 
 
+class FakePlacement:
+    def __init__(self, namespace: str) -> None:
+        self.own = namespace
+        self.client: Any = None
+
+    def bind(self, client: Any) -> None:
+        self.client = client
+
+
 class FakeCore:
     def __init__(self, namespace: str) -> None:
-        self.namespace = namespace
-        self.client: Any = None
+        self.placement = FakePlacement(namespace)
         self.moves: list[str] = []
 
     def move(self, client: Any, why: str) -> None:
-        self.client = client
+        self.placement.client = client
         self.moves.append(why)
 
 
@@ -46,8 +54,8 @@ def test_new_sessions_go_home_and_stay() -> None:
     p = pool()
     sessions = [FakeSession(f"s{i}") for i in range(30)]
     for s in sessions:
-        assert route(p, s) == rank(URLS, s.core.namespace)[0] == s.backend
-        assert s.core.client is p.backends[s.backend].client and not s.core.moves
+        assert route(p, s) == rank(URLS, s.core.placement.own)[0] == s.backend
+        assert s.core.placement.client is p.backends[s.backend].client and not s.core.moves
     assert {s.backend for s in sessions} == set(URLS)  # spread over all three
 
 
@@ -58,7 +66,7 @@ def test_failover_moves_only_the_down_backends_sessions_and_never_back() -> None
     down = p.backends[URLS[0]]
     p.mark_down(down, "ConnectError('refused')")
     for s in sessions:
-        order = rank(URLS, s.core.namespace)
+        order = rank(URLS, s.core.placement.own)
         if before[s.id] == URLS[0]:
             assert route(p, s) == order[1] and len(s.core.moves) == 1
             assert "ConnectError" in s.core.moves[0]
@@ -70,7 +78,7 @@ def test_failover_moves_only_the_down_backends_sessions_and_never_back() -> None
         if before[s.id] == URLS[0]:
             assert route(p, s) != URLS[0] and len(s.core.moves) == 1
     fresh = FakeSession("fresh")
-    assert route(p, fresh) == rank(URLS, fresh.core.namespace)[0]
+    assert route(p, fresh) == rank(URLS, fresh.core.placement.own)[0]
 
 
 def test_every_backend_down_keeps_the_session_where_it_is() -> None:

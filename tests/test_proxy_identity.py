@@ -17,22 +17,25 @@ from fastapi.testclient import TestClient
 from test_proxy import agent_conversation
 
 from leyline_agent.backends.sglang.launch import free_port
-from leyline_agent.backends.sglang.wire import SpliceResponse
 from leyline_agent.client import LeylineClient
 from leyline_agent.directive import Directive
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, TraceRecorder, create_app
 from leyline_agent.proxy.auth import ApiKeys, parse_api_key
 from leyline_agent.proxy.identity import SessionKey, match_form
 from leyline_agent.session import SessionCore
+from leyline_agent.wire import SpliceResponse
 from leyline_agent.wrapper import ConversationWrapper
 
 
-def _core(session_id: str, namespace: str | None = None) -> SessionCore:
+def _core(key: SessionKey, cache_salt: str | None = None) -> SessionCore:
+    """The registry's ``new_core``: the key's namespaces, the salt it starts with."""
     return SessionCore(
         LeylineClient("http://127.0.0.1:9"),
         ConversationWrapper(),
-        session_id=session_id,
-        namespace=namespace,
+        session_id=key.public_id,
+        namespace=key.namespace,
+        cache_salt=cache_salt,
+        shared_namespace=key.shared_namespace,
     )
 
 
@@ -90,10 +93,12 @@ def test_header_user_and_anonymous_names_are_three_sessions() -> None:
     by_user = reg.resolve(m, user="u1")
     assert by_header is not by_user
     assert (by_header.id, by_user.id) == ("user%3Au1", "user:u1")
-    assert by_header.core.namespace == "leyline:default:header:user%3Au1"
-    assert by_user.core.namespace == "leyline:default:user:u1"
+    assert by_header.core.placement.own == "leyline:default:header:user%3Au1"
+    assert by_user.core.placement.own == "leyline:default:user:u1"
     anon = reg.resolve(m)
-    assert anon.id.startswith("anon:") and anon.core.namespace.startswith("leyline:default:anon:")
+    assert anon.id.startswith("anon:") and anon.core.placement.own.startswith(
+        "leyline:default:anon:"
+    )
     # the public id of the anonymous session, sent back as a header, names a header session
     assert reg.resolve(m, header=anon.id) is not anon
     assert reg.get("user:u1") is by_user and reg.get("user%3Au1") is by_header
@@ -221,7 +226,7 @@ def test_tenants_never_share_sessions() -> None:
     _commit(a, m)
     b = reg.resolve(m, header="s1", tenant="bob")
     assert a is not b and a.id == b.id == "s1"
-    assert a.core.namespace == "leyline:alice:header:s1" != b.core.namespace
+    assert a.core.placement.own == "leyline:alice:header:s1" != b.core.placement.own
     assert reg.get("s1", "alice") is a and reg.get("s1", "bob") is b and reg.get("s1") is None
     anon = reg.resolve(m, tenant="alice")
     _commit(anon, m)
@@ -253,7 +258,7 @@ def test_cache_salt_is_one_namespace_for_the_chat_request_and_the_splice() -> No
     core = SessionCore(client, ConversationWrapper(policy="stale_tool_outputs:keep_last=2"))
     core.set_cache_salt("salt-1")
     turns = agent_conversation()
-    shared, own = core.shared_namespace, core.namespace
+    shared, own = core.placement.shared, core.placement.own
     keys = []
     for messages in turns:
         pending = core.begin(messages)
@@ -273,8 +278,8 @@ def test_cache_salt_is_one_namespace_for_the_chat_request_and_the_splice() -> No
         for kw in client.splices[1:]
     )
     core.set_cache_salt("salt-2")  # another namespace: nothing of salt-1 is reachable there
-    assert core.wrapper.tokens == [] and core.cache_salt == "salt-2"
-    assert core.request_namespace == shared  # nothing amortized under the new salt
+    assert core.wrapper.tokens == [] and core.placement.salt == "salt-2"
+    assert core.placement.extra_key == shared  # nothing amortized under the new salt
     body = core.chat_body(core.begin(turns[1]), {"model": "m"})
     assert body["cache_salt"] == "salt-2"
 
@@ -284,7 +289,7 @@ def test_anonymous_matching_requires_the_same_salt() -> None:
     m = agent_conversation()[-1]
     s = reg.resolve(m[:2], cache_salt="a")
     _commit(s, m[:2])
-    assert s.core.cache_salt == "a"
+    assert s.core.placement.salt == "a"
     assert reg.resolve(m[:4], cache_salt="b") is not s
     assert reg.resolve(m[:4]) is not s
     assert reg.resolve(m[:4], cache_salt="a") is s

@@ -11,6 +11,7 @@ from test_proxy import POLICY, TOOLS, agent_conversation, expected_plans
 
 from leyline_agent.api import LeylineSession
 from leyline_agent.chat.openai import chat_request_view
+from leyline_agent.chat_turn import RequestRefused
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,32 @@ def test_chat_without_splice_reprefills_from_the_first_edit(
     first_edit = min(d.start for d in plan.directives)
     assert rec.server_cached_tokens <= first_edit < rec.prompt_tokens - len(plan.tail)
     assert rec.server_cached_tokens == rec.best_reused_tokens
+
+
+@pytest.mark.sglang
+def test_chat_refuses_what_the_backend_would_before_any_splice(
+    leyline_server: str, turns: list[list[dict[str, Any]]]
+) -> None:
+    """The in-process API runs the proxy's checks (``chat_turn.prepare``): a request the backend
+    would refuse raises ``RequestRefused`` and changes nothing (before: the policy's splice ran,
+    then the backend answered 400 and the session recorded a failed, spliced turn)."""
+    session = LeylineSession(leyline_server, POLICY, share_exact=False)
+    for messages in turns[:3]:
+        session.chat(messages, tools=TOOLS, max_tokens=1, temperature=0)
+    held, records = list(session.core.wrapper.tokens), len(session.records)
+    edited = turns[3]  # the policy edits this turn: it would splice
+    assert expected_plans(POLICY, turns[:4])[-1].directives
+    with pytest.raises(RequestRefused, match="maximum context length of 131072"):
+        session.chat(edited, tools=TOOLS, max_tokens=200_000, temperature=0)
+    bad = [*edited[:-1], {"role": "robot", "content": "hi"}]
+    with pytest.raises(RequestRefused, match="'role' must be one of"):
+        session.chat(bad, tools=TOOLS, max_tokens=1, temperature=0)
+    assert session.core.wrapper.tokens == held and len(session.records) == records
+    out = session.chat(edited, tools=TOOLS, max_tokens=1, temperature=0)  # the cache is as it was
+    plan = expected_plans(POLICY, turns[:4])[-1]
+    usage = out["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == len(plan.tokens) - len(plan.tail)
+    assert session.records[-1].spliced and session.records[-1].splice_error is None
 
 
 def test_request_view_is_what_sglang_templates() -> None:

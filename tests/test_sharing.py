@@ -1,5 +1,5 @@
 """Sharing, pins and forks on the agent side, without a server: ``cache_control`` markers
-(``pins.py``), a session's namespaces (shared until its first splice, then its own), its one
+(``markers.py``), a session's namespaces (shared until its first splice, then its own), its one
 renewed pin, ``adopt`` (a fork), the proxy registry's fresh sessions, ends and drop hook, the
 proxy's pin counters and a session's ``pin``/``pin_error`` record, and how
 ``X-Leyline-Fork-From`` and ``/leyline/sessions/{id}`` name a session (the app in front of a dead
@@ -17,15 +17,16 @@ from test_proxy import agent_conversation
 
 from leyline_agent.accounting import TurnRecord
 from leyline_agent.backends.sglang.launch import free_port
-from leyline_agent.backends.sglang.wire import ForkResponse, PinResponse, SpliceResponse
 from leyline_agent.chat.openai import chat_request_view
 from leyline_agent.client import ForkRejected, LeylineClient, PinRejected
-from leyline_agent.pins import DEFAULT_TTL_S, Marker, Ttl, cache_marker, marked_end, parse_ttl
+from leyline_agent.markers import DEFAULT_TTL_S, Marker, Ttl, cache_marker, marked_end, parse_ttl
 from leyline_agent.proxy import SESSION_HEADER, SessionRegistry, create_app
 from leyline_agent.proxy.identity import FORK_HEADER, SessionKey
 from leyline_agent.proxy.metrics import render_retention
 from leyline_agent.proxy.retention import Retention, RetentionCounters
+from leyline_agent.retention import fork as fork_session
 from leyline_agent.session import SessionCore
+from leyline_agent.wire import ForkResponse, PinResponse, SpliceResponse
 from leyline_agent.wrapper import ConversationWrapper
 
 EPHEMERAL = {"type": "ephemeral"}
@@ -138,17 +139,17 @@ def test_shared_until_the_first_splice_then_private() -> None:
         core.finish(pending, prompt_tokens=len(pending.plan.tokens), cached_tokens=0,
                     request_ms=0.0)  # fmt: skip
     first = namespaces.index("leyline:a")
-    assert namespaces[:first] == ["leyline:default:shared"] * first and core.private
+    assert namespaces[:first] == ["leyline:default:shared"] * first and core.placement.private
     splices = [kw for name, kw in client.calls if name == "splice"]
     assert splices[0]["target_extra_key"] == "leyline:a"
     assert splices[0]["extra_key"] == "leyline:default:shared"
     core.move(FakeBackend(), "down")  # failover: the new backend holds nothing private
-    assert core.request_namespace == "leyline:default:shared" and core.pinned is None
+    assert core.placement.extra_key == "leyline:default:shared" and core.pins.pinned is None
 
 
 def test_sharing_off_is_the_own_namespace_from_the_first_request() -> None:
     core = SessionCore(FakeBackend(), ConversationWrapper(), session_id="a", share_exact=False)
-    assert core.private and core.request_namespace == "leyline:a"
+    assert core.placement.private and core.placement.extra_key == "leyline:a"
     with pytest.raises(ValueError, match="shared namespace"):
         SessionCore(FakeBackend(), ConversationWrapper(), namespace="x", shared_namespace="x")
 
@@ -161,17 +162,19 @@ def test_one_pin_per_session_renewed_new_first_and_released_by_owner() -> None:
     core = _core(client, "a", policy="none")
     turns = agent_conversation()
     pending = _turn(core, turns[0])
-    first = core.pin_marked(pending, Marker(0, 60.0))
+    first = core.pins.pin_marked(core.wrapper.tokens, pending.plan, Marker(0, 60.0))
     assert first is not None and first.pinned_tokens == pending.plan.spans[0][1]
     pending = _turn(core, turns[1])
-    second = core.pin_marked(pending, Marker(len(turns[1]) - 1, 300.0))
+    second = core.pins.pin_marked(
+        core.wrapper.tokens, pending.plan, Marker(len(turns[1]) - 1, 300.0)
+    )
     assert second is not None and second.pinned_tokens == pending.plan.spans[-1][1]
     assert client.names() == ["pin", "pin", "unpin"]  # the new one first, then the old one
     assert client.calls[2][1] == {"pin_id": first.pin_id, "owner": None}
     pin = client.calls[1][1]
-    assert (pin["owner"], pin["extra_key"], pin["ttl_s"]) == ("leyline:a", core.request_namespace,
+    assert (pin["owner"], pin["extra_key"], pin["ttl_s"]) == ("leyline:a", core.placement.extra_key,
                                                               300.0)  # fmt: skip
-    assert core.release_pins() == 1 and core.pinned is None
+    assert core.pins.release() == 1 and core.pins.pinned is None
     assert client.calls[-1] == ("unpin", {"pin_id": None, "owner": "leyline:a"})
 
 
@@ -182,9 +185,9 @@ def test_fork_of_a_shared_parent_copies_nothing() -> None:
     client = FakeBackend()
     parent, child = _core(client, "p", "none"), _core(client, "c", "none")
     _turn(parent, agent_conversation()[0])
-    assert child.adopt(parent) is None and "fork" not in client.names()
-    assert child.wrapper.tokens == parent.wrapper.tokens and not child.private
-    assert child.request_namespace == parent.request_namespace
+    assert fork_session(child, parent) is None and "fork" not in client.names()
+    assert child.wrapper.tokens == parent.wrapper.tokens and not child.placement.private
+    assert child.placement.extra_key == parent.placement.extra_key
     turn = agent_conversation()[1]
     pending = child.begin(turn)
     assert len(pending.plan.tail) < len(pending.plan.tokens)  # diffs against the parent's history
@@ -195,20 +198,22 @@ def test_fork_of_a_private_parent_copies_its_kv_into_the_child() -> None:
     parent, child = _core(client, "p"), _core(client, "c")
     for messages in agent_conversation():
         _turn(parent, messages)
-    assert parent.private
-    copied = child.adopt(parent)
-    assert copied is not None and child.private and child.request_namespace == "leyline:c"
+    assert parent.placement.private
+    copied = fork_session(child, parent)
+    assert (
+        copied is not None and child.placement.private and child.placement.extra_key == "leyline:c"
+    )
     fork = client.calls[-1][1]
     assert fork == {"tokens": parent.wrapper.tokens, "extra_key": "leyline:p",
                     "target_extra_key": "leyline:c", "cache_salt": None}  # fmt: skip
     refused = FakeBackend(refuse="fork")
     cold = _core(refused, "d")
-    parent.client = refused
+    parent.placement.bind(refused)
     with pytest.raises(ForkRejected):
-        cold.adopt(parent)
-    assert cold.wrapper.tokens == [] and not cold.private  # nothing adopted
+        fork_session(cold, parent)
+    assert cold.wrapper.tokens == [] and not cold.placement.private  # nothing adopted
     with pytest.raises(ValueError, match="itself"):
-        parent.adopt(parent)
+        fork_session(parent, parent)
 
 
 # --- proxy registry ---------------------------------------------------------------------------
@@ -217,7 +222,7 @@ def test_fork_of_a_private_parent_copies_its_kv_into_the_child() -> None:
 def test_registry_fresh_named_and_ended_sessions() -> None:
     dropped: list[str] = []
     reg = SessionRegistry(
-        lambda sid, ns: _core(FakeBackend(), sid),
+        lambda key, salt: _core(FakeBackend(), key.public_id),
         max_sessions=2,
         on_drop=lambda s: dropped.append(s.id),
     )
@@ -225,7 +230,7 @@ def test_registry_fresh_named_and_ended_sessions() -> None:
     a = reg.resolve(m[:2])
     a.core.messages = m[:2]
     assert reg.resolve(m) is a and reg.resolve(m, fresh=True) is not a
-    assert a.core.shared_namespace == SessionKey("default", "anon", "").shared_namespace
+    assert a.core.placement.shared == SessionKey("default", "anon", "").shared_namespace
     named = reg.resolve(m, header="h")
     assert reg.named(header="h") is named and reg.named(user="h") is None
     assert len(dropped) == 1  # the least recently used of three, past max_sessions=2
@@ -262,7 +267,7 @@ def test_proxy_pins_count_replacements_and_ttl_problems_and_show_the_last_refusa
 ) -> None:
     client = FakeBackend()
     retention = Retention()
-    reg = SessionRegistry(lambda sid, ns: _core(client, sid, "none"))
+    reg = SessionRegistry(lambda key, salt: _core(client, key.public_id, "none"))
     turns = agent_conversation()
     session = reg.resolve(turns[0], header="h")
 

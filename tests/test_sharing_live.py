@@ -254,7 +254,7 @@ def test_in_process_fork_and_pin(leyline_server: str) -> None:
     with LeylineSession(leyline_server, POLICY) as parent:
         for messages in turns[:5]:
             parent.chat(messages, tools=TOOLS, max_tokens=1, cache_salt=salt)
-        assert parent.core.private
+        assert parent.core.placement.private
         pin = parent.pin(ttl_s=30)
         assert pin.pinned_tokens == len(parent.core.wrapper.tokens)
         with parent.fork() as child:

@@ -1,4 +1,4 @@
-"""Wire types of ``/leyline/splice`` (``backends/sglang/wire.py``): pydantic only, no SGLang."""
+"""Wire types of ``/leyline/splice`` (``leyline_agent/wire.py``): pydantic only, no SGLang."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from leyline_agent.backends.sglang.wire import Namespace, SpliceRequest, SpliceResponse
+from leyline_agent.wire import Namespace, SpliceRequest, SpliceResponse
 
 
 def test_namespace_fields_and_apply() -> None:
@@ -45,7 +45,7 @@ def test_wire_and_plan_import_without_sglang_or_torch() -> None:
         "import sys\n"
         "for name in ('torch', 'sglang', 'triton', 'transformers'):\n"
         "    sys.modules[name] = None\n"
-        "import leyline_agent.backends.sglang.wire, leyline_agent.backends.sglang.plan\n"
+        "import leyline_agent.wire, leyline_agent.backends.sglang.plan\n"
         "import leyline_agent.client\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -65,7 +65,7 @@ def test_target_namespace_of_a_splice() -> None:
 
 
 def test_fork_pin_unpin_bodies_are_checked() -> None:
-    from leyline_agent.backends.sglang.wire import ForkRequest, PinRequest, UnpinRequest
+    from leyline_agent.wire import ForkRequest, PinRequest, UnpinRequest
 
     fork = ForkRequest.model_validate({"tokens": [1, 2], "extra_key": "a", "target_extra_key": "b"})
     as_splice = fork.as_splice()

@@ -13,14 +13,14 @@ from typing import Any
 
 from leyline_agent.chat.request import final_assistant
 from leyline_agent.chat.sglang import sglang_tools
+from leyline_agent.markers import strip_markers
 from leyline_agent.messages import served_content, tool_call_arguments
-from leyline_agent.pins import strip_markers
 
 
 def served_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """``message`` with ``content: None`` as ``""``, every tool call's JSON-object
     ``arguments`` re-serialised as the template's ``tojson`` writes them, and no
-    ``cache_control`` marker (read as a pin by ``pins.cache_marker``, never templated)."""
+    ``cache_control`` marker (read as a pin by ``markers.cache_marker``, never templated)."""
     out = strip_markers(message)
     out["content"] = served_content(out)
     if isinstance(out.get("tool_calls"), list):

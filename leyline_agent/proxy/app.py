@@ -47,7 +47,7 @@ from leyline_agent.proxy import metrics
 from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
 from leyline_agent.proxy.backends import DEFAULT_HEALTH_INTERVAL, BackendPool
 from leyline_agent.proxy.chat import chat_completions
-from leyline_agent.proxy.identity import public_ids
+from leyline_agent.proxy.identity import SessionKey, public_ids
 from leyline_agent.proxy.responses import error_response, passthrough, unreachable
 from leyline_agent.proxy.retention import Retention
 from leyline_agent.proxy.sessions import ProxySession, SessionRegistry
@@ -83,12 +83,14 @@ class LeylineProxy:
         self.client, self.http = self.pool.first.client, self.pool.first.http
         renderer = load_renderer(model_path)
 
-        def new_core(session_id: str, namespace: str) -> SessionCore:
+        def new_core(key: SessionKey, cache_salt: str | None) -> SessionCore:
             wrapper = ConversationWrapper(renderer, policy)
-            # NOTE: the client is the session's backend, set by BackendPool.route on its first turn
+            # NOTE: the client is the session's backend, bound by BackendPool.route on its first
+            # turn
             return SessionCore(
-                self.client, wrapper, session_id=session_id, namespace=namespace, splice=splice,
-                share_exact=share_exact,
+                self.client, wrapper, session_id=key.public_id, namespace=key.namespace,
+                splice=splice, cache_salt=cache_salt, share_exact=share_exact,
+                shared_namespace=key.shared_namespace,
             )  # fmt: skip
 
         self.retention = Retention()

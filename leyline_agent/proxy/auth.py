@@ -22,7 +22,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-DEFAULT_TENANT = "default"
+from leyline_agent.placement import DEFAULT_TENANT
+
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]+")
 OPEN_PATHS = frozenset({"/health"})
 

@@ -115,7 +115,7 @@ class BackendPool:
             current = session.backend
             if current is not None and self.backends[current].up:
                 return self.backends[current]
-            key = session.core.namespace
+            key = session.core.placement.own
             url = pick(self.urls, key, lambda u: self.backends[u].up) or current
             url = url or rank(self.urls, key)[0]
             backend = self.backends[url]
@@ -126,7 +126,7 @@ class BackendPool:
                 session.core.move(backend.client, why)
                 log.warning("session %s: %s", session.id, why)
             elif current is None:
-                session.core.client = backend.client
+                session.core.placement.bind(backend.client)
             session.backend = url
             return backend
 

@@ -4,9 +4,9 @@ Per request::
 
     session = registry.resolve(...)                  # header, user, longest message prefix, new
     async with session.lock:                         # one turn of a session at a time
-        pending = core.begin(messages, tools)        # policy, diff, /leyline/splice (a thread)
-        forward core.chat_body(pending, body)        # edited messages, extra_key = namespace
-        core.finish(pending, prompt, cached, ...)    # usage from the backend's answer
+        turn = chat_turn.prepare(core, body)         # checks, policy, diff, splice (a thread)
+        forward turn.body                            # edited messages, the request namespace
+        chat_turn.complete(core, turn, answer)       # usage from the backend's answer
 
 Render parity: every forwarded request asks the backend for its prompt token ids
 (``return_prompt_token_ids``: ``choices[i].prompt_token_ids`` in a plain answer; streams: see
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -39,10 +38,9 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from leyline_agent.accounting import TurnRecord
-from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
-from leyline_agent.chat.request import max_new_tokens, request_error, template_kwargs
+from leyline_agent.chat.request import request_error
+from leyline_agent.chat_turn import ChatTurn, RequestRefused, complete, prepare
 from leyline_agent.directive import DirectiveError
-from leyline_agent.pins import Marker, cache_marker
 from leyline_agent.policies import PolicyError
 from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.backends import Backend
@@ -50,7 +48,6 @@ from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER, public_ids
 from leyline_agent.proxy.relay import StreamEnd, relay
 from leyline_agent.proxy.responses import backend_error, error_response, passthrough, unreachable
 from leyline_agent.proxy.sessions import ProxySession
-from leyline_agent.session import Pending, RequestRefused
 
 if TYPE_CHECKING:
     from leyline_agent.proxy.app import LeylineProxy
@@ -58,68 +55,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Turn:
-    """One request's session, plan and messages, and how it is recorded."""
+class ProxyTurn:
+    """One request's session and prepared chat turn (``chat_turn.ChatTurn``), and how the
+    proxy records it (parity counters, ``--record``, the render-mismatch warning)."""
 
-    def __init__(
-        self,
-        proxy: LeylineProxy,
-        session: ProxySession,
-        pending: Pending,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None,
-        marker: Marker | None = None,
-    ) -> None:
-        self.proxy, self.session, self.pending = proxy, session, pending
-        self.messages, self.tools, self.marker = messages, tools, marker
+    def __init__(self, proxy: LeylineProxy, session: ProxySession, turn: ChatTurn) -> None:
+        self.proxy, self.session, self.turn = proxy, session, turn
 
     def finish(
         self,
-        usage_holder: dict[str, Any] | None,
+        data: dict[str, Any] | None,
         *,
         request_ms: float,
         ttft_ms: float | None = None,
         prompt_ids: list[int] | None = None,
         error: str | None = None,
     ) -> TurnRecord:
-        """Record the turn. ``usage_holder`` None: the request failed or was cut off after
-        reaching the backend (``error``); recorded with what is known."""
-        session, pending = self.session, self.pending
-        completion: int | None = None
-        if usage_holder is not None:
-            prompt, cached = read_usage(usage_holder, len(pending.plan.tokens))
-            completion = usage_holder["usage"].get("completion_tokens")
-        else:  # prefilled only if the backend sent a first token
-            prompt, cached = (len(pending.plan.tokens) if ttft_ms is not None else 0), 0
-        record = session.core.finish(
-            pending,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            request_ms=request_ms,
-            ttft_ms=ttft_ms,
-            messages=self.messages,
-            prompt_ids=prompt_ids,
-            error=error,
-            prefilled=usage_holder is not None or ttft_ms is not None,
-            completion_tokens=completion,
-        )
+        """Record the turn (``chat_turn.complete``). ``data`` None: the request failed or was
+        cut off after reaching the backend (``error``); recorded with what is known."""
+        session, turn = self.session, self.turn
+        record = complete(
+            session.core, turn, data, request_ms=request_ms, ttft_ms=ttft_ms,
+            prompt_ids=prompt_ids, error=error,
+        )  # fmt: skip
         self.proxy.parity.add(record)
         if self.proxy.recorder is not None:
-            self.proxy.recorder.write(session.key, record.turn, self.messages, self.tools)
+            self.proxy.recorder.write(session.key, record.turn, turn.messages, turn.tools)
         if record.render_mismatch and not session.warned:
             session.warned = True
             log.warning(
                 "session %s: the backend's prompt (%d tokens) differs from the one Leyline "
                 "rendered (%d); the chat template or tokenizer differs from the backend's "
                 "(--model-path). The session follows the backend's tokens (resynced: %s)",
-                session.id, prompt, len(pending.plan.tokens), record.resynced,
+                session.id, record.prompt_tokens, len(turn.pending.plan.tokens), record.resynced,
             )  # fmt: skip
         return record
 
     def failed(self, t0: float, error: int | str) -> None:
-        """A request that failed after ``begin``: recorded only when its splice ran (the cache,
-        hence the session, changed)."""
-        if self.pending.committed:
+        """A request that failed after ``prepare``: recorded only when its splice ran (the
+        cache, hence the session, changed)."""
+        if self.turn.pending.committed:
             request_ms = (time.perf_counter() - t0) * 1e3
             error = f"backend status {error}" if isinstance(error, int) else error
             self.finish(None, request_ms=request_ms, error=error)
@@ -133,9 +108,11 @@ class Turn:
                 end.usage, request_ms=end.request_ms, ttft_ms=end.ttft_ms,
                 prompt_ids=end.prompt_ids, error=end.error,
             )  # fmt: skip
-            if self.marker is not None and record.error is None:
+            marker = self.turn.marker
+            if marker is not None and record.error is None:
                 retention = self.proxy.retention
-                retention.spawn(retention.pin_then_release(self.session, self.pending, self.marker))
+                pending = self.turn.pending
+                retention.spawn(retention.pin_then_release(self.session, pending, marker))
                 pinning = True
         finally:
             if not pinning:
@@ -154,7 +131,6 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     if refused is not None:
         return backend_error(400, refused)
     messages = body["messages"]
-    tools = body.get("tools") or None
     user = body.get("user")
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
@@ -190,24 +166,15 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     await session.lock.acquire()
     if parent is not None and not session.core.records and session.forked_from is None:
         await proxy.retention.fork_session(parent, session, salt)
-    marker = cache_marker(messages)
     handed_over = False  # the streaming relay releases the lock when it ends
-    turn: Turn | None = None
+    turn: ProxyTurn | None = None
     t0 = time.perf_counter()
 
     async def forward_turn(backend: Backend) -> Response:
         nonlocal turn, t0, handed_over
-        cont = bool(body.get("continue_final_message"))
         try:
-            view = chat_request_view(messages, tools, body.get("tool_choice"), cont)
-            pending = await anyio.to_thread.run_sync(
-                lambda: session.core.begin(
-                    *view,
-                    template_kwargs=template_kwargs(body),
-                    continue_final=cont,
-                    context_len=context_len,
-                    max_new_tokens=max_new_tokens(body),
-                )
+            prepared = await anyio.to_thread.run_sync(
+                lambda: prepare(session.core, body, context_len=context_len)
             )
         except (RequestRefused, jinja2.TemplateError) as e:  # what the backend would say
             return backend_error(400, str(e), headers)
@@ -215,16 +182,11 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
             return error_response(
                 400, f"cannot apply the policy: {e}", "invalid_request_error", headers
             )
-        turn = Turn(proxy, session, pending, messages, tools, marker)
-        forward = session.core.chat_body(pending, body)
+        turn = ProxyTurn(proxy, session, prepared)
+        pending, marker = prepared.pending, prepared.marker
         t0 = time.perf_counter()
         if body.get("stream"):
-            forward["stream_options"] = {
-                **(body.get("stream_options") or {}),
-                "include_usage": True,
-            }
-            forward["return_input_ids_in_sglext"] = True
-            req = backend.http.build_request("POST", "/v1/chat/completions", json=forward)
+            req = backend.http.build_request("POST", "/v1/chat/completions", json=prepared.body)
             upstream = await backend.http.send(req, stream=True)
             backend.count(error=upstream.status_code >= 500)
             if upstream.status_code != 200:
@@ -242,24 +204,20 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
             )
             handed_over = True
             return StreamingResponse(lines, media_type="text/event-stream", headers=headers)
-        forward["return_prompt_token_ids"] = True
-        r = await backend.http.post("/v1/chat/completions", json=forward)
+        r = await backend.http.post("/v1/chat/completions", json=prepared.body)
         backend.count(error=r.status_code >= 500)
         request_ms = (time.perf_counter() - t0) * 1e3
         if r.status_code != 200:
             turn.failed(t0, r.status_code)
             return passthrough(r, headers)
         data = r.json()
-        keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
-        ids = pop_prompt_ids(data, keep=keep)
-        record = turn.finish(data, request_ms=request_ms, prompt_ids=ids)
+        record = turn.finish(data, request_ms=request_ms, prompt_ids=prepared.prompt_ids(data))
         if marker is not None and record.error is None:
             await proxy.retention.pin_turn(session, pending, marker)
         return JSONResponse(data, headers=headers)
 
     try:
         backend = proxy.pool.route(session)
-        session.core.set_cache_salt(salt)  # one namespace (extra_key, cache_salt) per turn
         tries = len(proxy.pool.urls)
         while True:
             try:

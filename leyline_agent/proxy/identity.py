@@ -5,9 +5,9 @@ in which messages are compared when an anonymous request is matched to a session
 The mapping is injective: every component is percent-escaped (``urllib.parse.quote`` with no safe
 characters, so the escaped text has no ``:``) before it is joined, so two different keys never
 share a namespace, a public id or a record file. The namespace on the backend is
-``leyline:<tenant>:<kind>:<name>`` (escaped) together with the client's ``cache_salt``; until its
+``leyline:<tenant>:<kind>:<name>`` (escaped; spelled in ``placement.py``) together with the client's ``cache_salt``; until its
 first splice a session's requests use the tenant's shared namespace ``leyline:<tenant>:shared``
-instead (exact KV is shared within a tenant and salt, amortized KV never; ``session.py``). The public id (the
+instead (exact KV is shared within a tenant and salt, amortized KV never; ``placement.py``). The public id (the
 ``X-Leyline-Session`` answer header, ``/leyline/sessions/{id}``) is the escaped name for a header
 session (a plain name such as ``dg-1a2b-splice-config`` is unchanged) and ``user:<escaped>`` or
 ``anon:<hex>`` otherwise, so a header ``user:u1`` (public id ``user%3Au1``) is not the ``user``
@@ -19,16 +19,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
-from urllib.parse import quote
+
+from leyline_agent.placement import escape, namespace, shared_namespace
 
 SESSION_HEADER = "X-Leyline-Session"
 FORK_HEADER = "X-Leyline-Fork-From"  # a new session's first request: start from this session
 Kind = Literal["header", "user", "anon"]
-
-
-def escape(text: str) -> str:
-    """Percent-escape everything but ``A-Za-z0-9_.-~`` (reversible; the result has no ``:``)."""
-    return quote(text, safe="")
 
 
 def public_ids(ref: str) -> list[str]:
@@ -53,13 +49,13 @@ class SessionKey(NamedTuple):
     @property
     def namespace(self) -> str:
         """The backend's ``extra_key`` of the session (its own, private one)."""
-        return f"leyline:{escape(self.tenant)}:{self.kind}:{escape(self.name)}"
+        return namespace(escape(self.tenant), self.kind, escape(self.name))
 
     @property
     def shared_namespace(self) -> str:
         """The tenant's namespace of exact KV, which the session uses until its first splice
         (``SessionCore``); three parts, so no session's own namespace (four) is it."""
-        return f"leyline:{escape(self.tenant)}:shared"
+        return shared_namespace(self.tenant)
 
 
 def match_form(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,15 +2,15 @@
 starts a session from another one, and an ended session's pins are released.
 
 - **Pin** (``pin_turn``): after a turn whose messages carry an ephemeral ``cache_control`` marker
-  (``pins.cache_marker``), the prompt up to the end of the last marked message is pinned on the
+  (``markers.cache_marker``), the prompt up to the end of the last marked message is pinned on the
   session's backend for the marker's TTL (300 s by default); one pin per session, renewed every
   marked turn (the new one first, then the old one released: ``pins_replaced``). A refusal, the
   server's cap on pinned slots (429) included, is logged, counted and shown in the session's
   record (``ProxySession.pin_error``), never an error of the client's request. So is a marker's
-  TTL that was not taken as sent (``pins.parse_ttl``): clamped to 24 h, or malformed and the
+  TTL that was not taken as sent (``markers.parse_ttl``): clamped to 24 h, or malformed and the
   default.
 - **Fork** (``fork_session``): a new session's first request naming a parent starts from the
-  parent's history (``SessionCore.adopt``); it is routed to the parent's backend, where a private
+  parent's history (``leyline_agent.retention.fork``); it is routed to the parent's backend, where a private
   parent's KV is copied into its namespace (``POST /leyline/fork``). A refused fork (the parent's
   KV evicted) leaves the child cold, counted in ``fork_misses``.
 - **Release** (``release_session``): a session dropped by the registry or ended by
@@ -30,8 +30,9 @@ from typing import Any
 import anyio.to_thread
 
 from leyline_agent.client import ForkRejected, PinRejected
-from leyline_agent.pins import Marker
+from leyline_agent.markers import Marker
 from leyline_agent.proxy.sessions import PinError, ProxySession
+from leyline_agent.retention import fork
 from leyline_agent.session import Pending
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,16 @@ class Retention:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def pin_turn(self, session: ProxySession, pending: Pending, marker: Marker) -> None:
-        """Pin the marked prefix of the turn just finished (see ``SessionCore.pin_marked``)."""
+        """Pin the marked prefix of the turn just finished (see ``SessionPins.pin_marked``)."""
         self.check_ttl(session, marker)
-        core = session.core
-        old, replaced = core.pinned, core.pins_replaced
+        core, pins = session.core, session.core.pins
+        old, replaced = pins.pinned, pins.replaced
         try:
-            pin = await anyio.to_thread.run_sync(core.pin_marked, pending, marker)
+            pin = await anyio.to_thread.run_sync(
+                pins.pin_marked, core.wrapper.tokens, pending.plan, marker
+            )
         except PinRejected as e:
-            if core.pinned is not old:  # NOTE: the new pin was made; the old one's release failed
+            if pins.pinned is not old:  # NOTE: the new pin was made; the old one's release failed
                 self.counters.count(pins=1)
                 session.pin_error = None
                 log.warning("session %s: the previous pin stays until its TTL: %s", session.id, e)
@@ -87,10 +90,10 @@ class Retention:
             return
         if pin is not None:
             session.pin_error = None
-            self.counters.count(pins=1, pins_replaced=core.pins_replaced - replaced)
+            self.counters.count(pins=1, pins_replaced=pins.replaced - replaced)
 
     def check_ttl(self, session: ProxySession, marker: Marker) -> None:
-        """Log and count a marker whose TTL was not taken as sent (``pins.parse_ttl``)."""
+        """Log and count a marker whose TTL was not taken as sent (``markers.parse_ttl``)."""
         if marker.ttl_note == "clamped":
             self.counters.count(pin_ttl_clamped=1)
             log.warning(
@@ -129,14 +132,14 @@ class Retention:
         async with parent.lock:
             if parent.backend is not None:
                 child.backend = parent.backend
-                child.core.client = parent.core.client
+                child.core.placement.bind(parent.core.placement.client)
             child.forked_from = parent.id
             self.counters.count(forks=1)
-            if (cache_salt or None) != parent.core.cache_salt:
+            if (cache_salt or None) != parent.core.placement.salt:
                 self.counters.count(fork_misses=1)
                 return "the request's cache_salt is not the parent's"
             try:
-                copied = await anyio.to_thread.run_sync(child.core.adopt, parent.core)
+                copied = await anyio.to_thread.run_sync(fork, child.core, parent.core)
             except ForkRejected as e:
                 self.counters.count(fork_misses=1)
                 log.warning("session %s: fork from %s refused: %s", child.id, parent.id, e)
@@ -146,7 +149,7 @@ class Retention:
 
     def release_session(self, session: ProxySession) -> None:
         """``SessionRegistry``'s ``on_drop``: release the session's pins in the background."""
-        if session.core.pinned is None:
+        if session.core.pins.pinned is None:
             return
         try:
             asyncio.get_running_loop()
@@ -157,7 +160,7 @@ class Retention:
 
     async def _release(self, session: ProxySession) -> None:
         try:
-            released = await anyio.to_thread.run_sync(session.core.release_pins)
+            released = await anyio.to_thread.run_sync(session.core.pins.release)
         except PinRejected as e:
             log.warning("session %s: releasing its pins failed: %s", session.id, e)
             return

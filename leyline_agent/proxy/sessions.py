@@ -103,9 +103,9 @@ class ProxySession:
         return {
             "id": self.id,
             "tenant": self.tenant,
-            "namespace": self.core.namespace,
-            "request_namespace": self.core.request_namespace,
-            "private": self.core.private,
+            "namespace": self.core.placement.own,
+            "request_namespace": self.core.placement.extra_key,
+            "private": self.core.placement.private,
             "forked_from": self.forked_from,
             "pin": self.pin(),
             "pin_error": self.pin_error._asdict() if self.pin_error else None,
@@ -120,7 +120,7 @@ class ProxySession:
     def pin(self) -> dict[str, Any] | None:
         """The session's own pin: its id, prefix length, TTL and expiry (Unix time); not the
         server-wide ``pinned_slots`` of the pin's answer."""
-        p = self.core.pinned
+        p = self.core.pins.pinned
         if p is None:
             return None
         return {"pin_id": p.pin_id, "pinned_tokens": p.pinned_tokens, "ttl_s": p.ttl_s,
@@ -135,8 +135,8 @@ class SessionRegistry:
     """Live sessions by :class:`SessionKey`.
 
     Args:
-        new_core: builds the ``SessionCore`` of a new session from its public id and namespace
-            (the registry then sets its salt and its tenant's shared namespace).
+        new_core: builds the ``SessionCore`` of a new session from its key (public id, own and
+            shared namespaces) and the ``cache_salt`` it starts with.
         max_sessions: live sessions kept; past it the least recently used idle one is dropped.
         min_shared: see ``_match``.
         on_drop: called with every session dropped or removed, outside the registry's lock.
@@ -144,7 +144,7 @@ class SessionRegistry:
 
     def __init__(
         self,
-        new_core: Callable[[str, str], SessionCore],
+        new_core: Callable[[SessionKey, str | None], SessionCore],
         *,
         max_sessions: int = 1024,
         min_shared: float = MIN_SHARED,
@@ -246,7 +246,7 @@ class SessionRegistry:
         incoming: list[dict[str, Any]] | None = None
         best: tuple[tuple[int, bool, float], ProxySession] | None = None
         for s in self._sessions.values():
-            if s.named or s.tenant != tenant or s.core.cache_salt != cache_salt:
+            if s.named or s.tenant != tenant or s.core.placement.salt != cache_salt:
                 continue
             if s.lock.locked() or not 0 < len(s.core.messages) < len(messages):
                 continue
@@ -271,10 +271,7 @@ class SessionRegistry:
 
     def _add(self, key: SessionKey, source: Source, cache_salt: str | None) -> ProxySession:
         """A new session; ``source`` is how it was found (a named key's kind, or ``new``)."""
-        core = self._new_core(key.public_id, key.namespace)
-        core.cache_salt = cache_salt
-        core.shared_namespace = key.shared_namespace
-        session = ProxySession(key, core, source)
+        session = ProxySession(key, self._new_core(key, cache_salt), source)
         self._sessions[key] = session
         self.created += 1
         self._created_by_tenant[key.tenant] += 1

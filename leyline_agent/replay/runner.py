@@ -32,6 +32,7 @@ import jinja2
 from leyline_agent.arms import Arm, arm_switch
 from leyline_agent.chat.render import Renderer
 from leyline_agent.client import LeylineClient
+from leyline_agent.generate_turn import generate_turn
 from leyline_agent.policies import Policy, PolicyError, parse_policy
 from leyline_agent.replay.spec import ReplaySpec, TurnRow
 from leyline_agent.routing import home
@@ -77,11 +78,11 @@ def replay_session(
         splice=switch.splice,
         share_exact=False,
     )
-    reference_ns = f"{core.namespace}:ref"
+    reference_ns = f"{core.placement.own}:ref"
     rows: list[TurnRow] = []
     for i, messages in enumerate(trace.turns[:max_turns]):
         try:
-            record, _ = core.generate(messages, trace.tools)
+            record, _ = generate_turn(core, messages, trace.tools)
         except (jinja2.TemplateError, PolicyError, httpx.HTTPStatusError) as e:
             if isinstance(e, httpx.HTTPStatusError) and (
                 not e.response.is_client_error or e.response.status_code in (401, 403)

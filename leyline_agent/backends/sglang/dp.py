@@ -13,6 +13,8 @@ fanned out to every rank (``FanOutCommunicator``) and the HTTP side gets one rep
   ``NOT_MINE`` without touching its cache; ``pick_reply`` takes the target's reply.
 - With no target (DP off), every worker runs the request and ``pick_reply`` applies the rule
   below, so a 409 from a rank that does not hold the sequence never hides the one that does.
+- Pin ids name the DP rank that holds the pin (``pin_prefix``, ``rank_of_pin``), so an unpin by
+  ``pin_id`` goes to that rank only.
 - ``/leyline/stats`` with N > 1: ``merge_stats`` (sums, ``ok`` over all ranks, ``dp_workers``).
 
 Pure Python (no sglang, no torch), unit-tested in ``tests/test_dp.py``.
@@ -44,6 +46,18 @@ def home_rank(extra_key: str | None, cache_salt: str | None, dp_size: int) -> in
     if key is None or dp_size <= 1:
         return None
     return int(home([str(r) for r in range(dp_size)], key))
+
+
+def pin_prefix(rank: int) -> str:
+    """What the pin ids of DP rank ``rank`` start with (``p<rank>``; ``pins.py`` appends
+    ``-<uuid>``), so an unpin by ``pin_id`` can be routed to the rank that holds the pin."""
+    return f"p{rank}"
+
+
+def rank_of_pin(pin_id: str) -> int | None:
+    """The DP rank a ``pin_prefix`` pin id names; None when it names none."""
+    rank = pin_id.partition("-")[0].removeprefix("p")
+    return int(rank) if rank.isdigit() else None
 
 
 class Reply(NamedTuple):

@@ -133,7 +133,7 @@ def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     """AFTER hook: route Leyline control requests to this scheduler's executor."""
     from leyline_agent.backends.sglang import ipc as p
     from leyline_agent.backends.sglang.compat import TypeBasedDispatcher, get_parallel
-    from leyline_agent.backends.sglang.dp import NOT_MINE
+    from leyline_agent.backends.sglang.dp import NOT_MINE, pin_prefix
     from leyline_agent.backends.sglang.inspect import handle_inspect
     from leyline_agent.backends.sglang.splice import SpliceExecutor
 
@@ -144,7 +144,7 @@ def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
         me = 0
     pins = getattr(scheduler.tree_cache, "pins", None)
     if pins is not None:
-        pins.prefix = f"p{me}"  # pin ids name their DP rank (routes.unpin routes by it)
+        pins.prefix = pin_prefix(me)  # pin ids name their DP rank (routes.unpin routes by it)
 
     def on_splice(req: p.SpliceReqInput) -> p.SpliceReqOutput:
         if req.dp_rank is not None and req.dp_rank != me:

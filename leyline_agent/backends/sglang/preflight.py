@@ -21,8 +21,8 @@ from leyline_agent.backends.sglang.kv_layout import (
 )
 from leyline_agent.backends.sglang.radix import LeylineRadixCache
 from leyline_agent.backends.sglang.served_rope import served_model, served_rope
-from leyline_agent.backends.sglang.wire import PinRequest, SpliceRequest
 from leyline_agent.kernels.rope import RopeBand, RopeSpec
+from leyline_agent.wire import PinRequest, SpliceRequest
 
 if TYPE_CHECKING:
     from leyline_agent.backends.sglang.compat import Scheduler, TreeNode

@@ -13,9 +13,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from leyline_agent.backends.sglang.compat import http_server
-from leyline_agent.backends.sglang.dp import Reply, home_rank, merge_stats, pick_reply
+from leyline_agent.backends.sglang.dp import (
+    Reply,
+    home_rank,
+    merge_stats,
+    pick_reply,
+    rank_of_pin,
+)
 from leyline_agent.backends.sglang.ipc import InspectReqInput, SpliceReqInput
-from leyline_agent.backends.sglang.wire import (
+from leyline_agent.wire import (
     ForkRequest,
     PinRequest,
     SpliceRequest,
@@ -53,8 +59,7 @@ async def _control(request: Request, op: str, model: type[BaseModel]) -> JSONRes
     if op == "unpin":
         target = body.dp_rank
         if target is None and body.pin_id is not None and n > 1:
-            rank = body.pin_id.partition("-")[0].removeprefix("p")
-            target = int(rank) if rank.isdigit() else None
+            target = rank_of_pin(body.pin_id)
     else:
         target = body.dp_rank
         if target is None:

@@ -75,7 +75,8 @@ from leyline_agent.backends.sglang.preflight import (
     check_capacity,
     check_forget_span,
 )
-from leyline_agent.backends.sglang.wire import (
+from leyline_agent.directive import DirectiveError, sort_and_check
+from leyline_agent.wire import (
     ForkRequest,
     ForkResponse,
     PinRequest,
@@ -85,7 +86,6 @@ from leyline_agent.backends.sglang.wire import (
     UnpinRequest,
     UnpinResult,
 )
-from leyline_agent.directive import DirectiveError, sort_and_check
 
 if TYPE_CHECKING:
     from leyline_agent.backends.sglang.compat import Scheduler, TreeNode

@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-from leyline_agent.backends.sglang.wire import MAX_PIN_TTL_S
+from leyline_agent.wire import MAX_PIN_TTL_S
 
 CACHE_CONTROL = "cache_control"
 DEFAULT_TTL_S = 300.0  # Anthropic's ephemeral default, "5m"

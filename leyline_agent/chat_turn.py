@@ -1,0 +1,152 @@
+"""The OpenAI chat turn, one core under every front door (``api.LeylineSession.chat``, the
+proxy's ``POST /v1/chat/completions``): request view → turn core → response view.
+
+Per turn::
+
+    turn = prepare(core, body, context_len=n)   # checks, salt, view, plan, length, splice
+    ...POST turn.body to the backend's /v1/chat/completions (streamed or not)...
+    record = complete(core, turn, data, request_ms=ms, prompt_ids=turn.prompt_ids(data))
+
+``prepare`` refuses what the backend would certainly refuse (``RequestRefused``: malformed
+messages, a prompt past the context length) *before* any splice, so a refused request never
+changes the cache. A new API surface is a thin adapter: it builds a chat body from its own request
+(its request view), calls these two halves, and writes its own response view of the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from leyline_agent.accounting import TurnRecord
+from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
+from leyline_agent.chat.request import (
+    final_assistant,
+    length_error,
+    max_new_tokens,
+    request_error,
+    template_kwargs,
+)
+from leyline_agent.markers import Marker, cache_marker
+from leyline_agent.session import Pending, SessionCore
+
+
+class RequestRefused(ValueError):
+    """The backend would certainly refuse this request (found before any splice)."""
+
+
+@dataclass
+class ChatTurn:
+    """A prepared chat turn: the session's pending turn, the body to send, and what the client
+    sent (its messages, tools and ``cache_control`` marker)."""
+
+    pending: Pending
+    body: dict[str, Any]
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Any] | None
+    marker: Marker | None
+    keep_ids: bool = False  # the client asked for the prompt token ids itself
+
+    def prompt_ids(self, data: dict[str, Any]) -> list[int] | None:
+        """The backend's prompt token ids of a non-streamed answer, removed from ``data``
+        unless the client asked for them."""
+        return pop_prompt_ids(data, keep=self.keep_ids)
+
+
+def request_refusal(body: Any) -> str | None:
+    """Why the backend would refuse this chat body with a 400 before templating (None: it may
+    not): ``chat.request.request_error`` and a ``cache_salt`` that is not a string."""
+    refused = request_error(body)
+    if refused is None and not isinstance(body.get("cache_salt") or "", str):
+        refused = "'cache_salt' must be a string"
+    return refused
+
+
+def prepare(
+    core: SessionCore, body: Mapping[str, Any], *, context_len: int | None = None
+) -> ChatTurn:
+    """Check, plan and splice one chat-completions ``body`` (OpenAI's, with SGLang's extras).
+
+    Args:
+        core: the session.
+        body: the client's request; ``stream`` asks for a streamed answer (the body to send then
+            asks for usage and the prompt ids in the stream, see ``proxy/relay.py``).
+        context_len: the backend's context length (None: unknown, not checked).
+
+    Raises:
+        RequestRefused: the backend would refuse the request (its message), found before any
+            splice; nothing changed.
+        PolicyError, DirectiveError: the policy's edits cannot be applied.
+        jinja2.TemplateError: the chat template refused the messages.
+    """
+    refused = request_refusal(body)
+    if refused is not None:
+        raise RequestRefused(refused)
+    messages: Sequence[Mapping[str, Any]] = body["messages"]
+    tools = body.get("tools") or None
+    core.set_cache_salt(body.get("cache_salt"))
+    cont = bool(body.get("continue_final_message"))
+    view, view_tools = chat_request_view(messages, tools, body.get("tool_choice"), cont)
+    final: dict[str, Any] | None = None
+    continued: str | None = None
+    if cont:
+        rest, continued = final_assistant(view, True)
+        if continued is not None:
+            final, view = view[-1], rest
+    pending = core.plan(
+        view, view_tools, template_kwargs=template_kwargs(body), final=final, continued=continued
+    )
+    refused = length_error(len(pending.plan.tokens), max_new_tokens(body), context_len)
+    if refused is not None:
+        raise RequestRefused(refused)
+    core.splice(pending)
+    forward = core.chat_body(pending, body)
+    if body.get("stream"):
+        options = body.get("stream_options") or {}
+        forward["stream_options"] = {**options, "include_usage": True}
+        forward["return_input_ids_in_sglext"] = True
+    else:
+        forward["return_prompt_token_ids"] = True
+    keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
+    return ChatTurn(pending, forward, messages, tools, cache_marker(messages), keep)
+
+
+def complete(
+    core: SessionCore,
+    turn: ChatTurn,
+    data: dict[str, Any] | None,
+    *,
+    request_ms: float,
+    ttft_ms: float | None = None,
+    prompt_ids: list[int] | None = None,
+    error: str | None = None,
+) -> TurnRecord:
+    """Record the turn (``SessionCore.finish``) from the backend's answer.
+
+    Args:
+        data: the answer, or its streamed usage chunk (``usage.prompt_tokens_details`` is filled
+            in place); None: the request failed or was cut off after reaching the backend
+            (``error``), recorded with what is known: prefilled only if a first token came
+            (``ttft_ms``).
+        prompt_ids: the backend's prompt token ids (``ChatTurn.prompt_ids``, or the stream's).
+    """
+    tokens = len(turn.pending.plan.tokens)
+    completion: int | None = None
+    if data is not None:
+        prompt, cached = read_usage(data, tokens)
+        completion = data["usage"].get("completion_tokens")
+    else:
+        prompt, cached = (tokens if ttft_ms is not None else 0), 0
+    return core.finish(
+        turn.pending,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        request_ms=request_ms,
+        ttft_ms=ttft_ms,
+        messages=turn.messages,
+        prompt_ids=prompt_ids,
+        error=error,
+        prefilled=data is not None or ttft_ms is not None,
+        completion_tokens=completion,
+    )
