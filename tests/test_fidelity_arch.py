@@ -86,3 +86,23 @@ def test_compare_table_has_a_row_per_group_and_arch() -> None:
     assert [c[1] for c in carried] == ["mla-float32", "gqa-float32"]
     assert carried[0][5] == "90.0%" and carried[1][5] == "100.0%"  # agree AMORTIZE
     assert carried[0][8] == "10.0%"  # agree FORGET
+
+
+def test_mla_arch_configs_and_table() -> None:
+    """``architectures.py`` (shapes, served configs) and ``arch_check.table``, without a server."""
+    from leyline_agent.bench.fidelity import arch_check, architectures
+
+    glm = next(a for a in architectures.ARCHS if a.model_type == "glm4_moe_lite")
+    cfg = architectures.hf_config(glm, moe=True, plain_rope_as_yarn=True)
+    assert (cfg["num_hidden_layers"], cfg["first_k_dense_replace"]) == (2, 1)
+    assert cfg["mlp_layer_types"] == ["dense", "sparse"] and cfg["kv_lora_rank"] == 512
+    assert cfg["rope_scaling"]["factor"] == 1.0  # plain RoPE served as YaRN of factor 1
+    dense = architectures.hf_config(glm, moe=False)
+    assert dense["first_k_dense_replace"] == 2 and dense["rope_scaling"] is None
+    a = architectures.ARCHS[0]
+    row: dict[str, Any] = {"name": a.name, "architecture": a.architecture, "source": a.source}
+    row |= {"notes": list(a.notes), "shapes": a.shapes, "served": False, "errors": ["dense: x"]}
+    lines = arch_check.table([row]).splitlines()
+    assert lines[1].split()[:2] == [a.name, a.architecture] and "see errors" in lines[1]
+    assert f"  {a.name}: error dense: x" in lines
+    assert arch_check.DESCRIPTION == (architectures.__doc__ or "").splitlines()[0]

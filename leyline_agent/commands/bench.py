@@ -78,7 +78,7 @@ def fidelity(
     """
     import dataclasses
 
-    from leyline_agent.bench.fidelity import architectures as arch_mod
+    from leyline_agent.bench.fidelity import arch_check as arch_mod
     from leyline_agent.bench.fidelity import divergence, report
     from leyline_agent.bench.fidelity import drift as drift_mod
     from leyline_agent.bench.fidelity import train as train_mod

@@ -6,7 +6,8 @@ the sglang extra at run time.
 - ``train.py``: trains the model of ``TrainSpec.arch`` on CPU (seeded) or reuses it from
   ``$LEYLINE_CACHE``.
 - ``divergence.py``: the three paths through a real ``leyline serve``, per case.
-- ``architectures.py``: splice mechanics on the attention shapes of four MLA models.
+- ``architectures.py``: the attention shapes of four MLA models and their served configs;
+  ``arch_check.py``: splice mechanics on them.
 - ``drift.py``: rope-band drift of composed splices.
 - ``report.py``: tables (with an MLA-vs-GQA table), ``results.json``, ``fidelity.png``.
 

@@ -2,7 +2,7 @@
 
 Parts (any may be missing): the divergence benchmark per model arch and KV dtype
 (``divergence.run``; keyed by a label such as ``float32`` or ``gqa-float32``), the architecture
-checks (``architectures.run``), the rope drift (``drift.run``). The plot has one
+checks (``arch_check.run``), the rope drift (``drift.run``). The plot has one
 panel per part: argmax agreement with the full context and task accuracy per path and case
 group; mean KL(full ‖ path) per group (log scale); drift vs number of splices (log-log) with the
 paper's 4.7e-3.
@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from leyline_agent.bench.fidelity import architectures, divergence, drift
+from leyline_agent.bench.fidelity import arch_check, divergence, drift
 from leyline_agent.runinfo import environment
 
 GROUPS = ("carried", "direct", "carried_ctrl", "direct_ctrl")
@@ -211,7 +211,7 @@ def build(
     if archs:
         results["architectures"] = archs
         texts.append(
-            "== architectures (dummy weights, bf16) ==\n" + architectures.table(archs["rows"])
+            "== architectures (dummy weights, bf16) ==\n" + arch_check.table(archs["rows"])
         )
     if drift_res:
         results["drift"] = drift_res
