@@ -22,7 +22,7 @@ from leyline_agent.diff import Diff, diff_rendered, diff_tokens, message_key
 from leyline_agent.directive import Directive, Mode
 from leyline_agent.messages import sent_message
 from leyline_agent.policies.edits import apply_edits
-from leyline_agent.policies.protocol import Conversation, Edit, Policy
+from leyline_agent.policies.protocol import Conversation, Edit, Policy, carry_edits
 from leyline_agent.policies.registry import parse_policy
 
 Message = dict[str, Any]
@@ -52,6 +52,8 @@ class TurnPlan:
         turn: index of this turn since the last reset.
         tools: the tool schemas rendered with the messages.
         keys: ``message_key`` of every message (what the next turn aligns against).
+        incoming: the incoming list as cleaned for sending (``sent_message``), before the policy's
+            edits: what the next turn's ``Conversation.previous`` carries ``edits`` against.
     """
 
     messages: list[Message]
@@ -67,6 +69,7 @@ class TurnPlan:
     turn: int = 0
     tools: list[Any] | None = None
     keys: list[Hashable] = field(default_factory=list, repr=False, compare=False)
+    incoming: list[Message] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def reused(self) -> int:
@@ -115,18 +118,22 @@ class ConversationWrapper:
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
     ) -> Conversation:
         """The policy's view of an incoming message list."""
-        return self._conversation(
-            messages, self._render([sent_message(m) for m in messages], tools)
-        )
+        incoming = [sent_message(m) for m in messages]
+        return self._conversation(messages, incoming, self._render(incoming, tools))
 
     def _conversation(
-        self, messages: Sequence[Mapping[str, Any]], rendered: Rendered
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        incoming: Sequence[Message],
+        rendered: Rendered,
     ) -> Conversation:
+        last = self._last
         return Conversation(
             messages=list(messages),
             token_counts=[e - s for s, e in rendered.spans],
             turn=self._turn,
             count_tokens=self.renderer.count,
+            previous=carry_edits(last.incoming, last.edits, incoming) if last else (),
         )
 
     # Index spaces in ``plan()``:
@@ -160,7 +167,7 @@ class ConversationWrapper:
 
         incoming = [sent_message(m) for m in messages]
         rendered = render(incoming, tools)
-        edits = list(self.policy(self._conversation(messages, rendered)))
+        edits = list(self.policy(self._conversation(messages, incoming, rendered)))
         edited = apply_edits(messages, edits)
         sent = [  # messages no edit touched are the incoming ones, already cleaned
             sent_message(m) if i in edited.modes else incoming[i]
@@ -216,6 +223,7 @@ class ConversationWrapper:
             turn=self._turn,
             tools=list(tools) if tools else None,
             keys=keys,
+            incoming=incoming,
         )
 
     def commit(self, plan: TurnPlan, tokens: Sequence[int] | None = None) -> None:

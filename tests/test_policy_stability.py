@@ -8,6 +8,7 @@ messages. Turn ``t`` sends every message up to the outputs of step ``t``, as age
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from leyline_agent.policies import (
     TokenBudget,
     apply_edits,
     available_policies,
+    carry_edits,
     is_observation,
 )
 
@@ -74,9 +76,13 @@ def build(steps: list[Step], text_agent: bool) -> tuple[list[dict[str, Any]], li
     return msgs, ends
 
 
-def conversation(messages: list[dict[str, Any]], turn: int) -> Conversation:
+def conversation(
+    messages: list[dict[str, Any]], turn: int, previous: Sequence[Edit] = ()
+) -> Conversation:
     counts = [len(str(m.get("content"))) // 4 + 3 for m in messages]
-    return Conversation(messages, counts, turn=turn, count_tokens=lambda t: len(t) // 4 + 1)
+    return Conversation(
+        messages, counts, turn=turn, count_tokens=lambda t: len(t) // 4 + 1, previous=previous
+    )
 
 
 def policies() -> list[Any]:
@@ -123,14 +129,22 @@ steps_strategy = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(steps_strategy, st.booleans())
-def test_edits_keep_shape_and_stay_once_made(steps: list[Step], text_agent: bool) -> None:
+@given(steps_strategy, st.booleans(), st.lists(st.integers(0, 400), min_size=10, max_size=10))
+def test_edits_keep_shape_and_stay_once_made(
+    steps: list[Step], text_agent: bool, reports: list[int]
+) -> None:
+    """``reports``: per turn, the characters of test report the system prompt carries (froggy
+    rewrites it every turn: it grows and shrinks). Edits of the other messages stay once made;
+    the previous turn's edits reach the policy as the wrapper passes them (``carry_edits``)."""
     messages, ends = build(steps, text_agent)
     for policy in policies():
         previous: list[dict[str, Any]] | None = None
+        last: tuple[list[dict[str, Any]], list[Edit]] | None = None
         for turn, end in enumerate(ends):
-            sent = messages[:end]
-            edits = policy(conversation(sent, turn))
+            system = {**messages[0], "content": messages[0]["content"] + "r" * reports[turn]}
+            sent = [system, *messages[1:end]]
+            carried = carry_edits(*last, sent) if last else []
+            edits = list(policy(conversation(sent, turn, carried)))
             result = apply_edits(sent, edits)
             assert result.sources == list(range(len(sent)))  # no built-in drops a message
             for before, after in zip(sent, result.messages, strict=True):
@@ -138,9 +152,9 @@ def test_edits_keep_shape_and_stay_once_made(steps: list[Step], text_agent: bool
             assert all(is_observation(sent[e.index]) for e in edits if e.mode is Mode.AMORTIZE)
             if previous is not None:
                 for i, (orig, old) in enumerate(zip(messages, previous, strict=False)):
-                    if old != orig:  # edited on the previous turn: the same on this one
+                    if i and old != orig:  # edited on the previous turn: the same on this one
                         assert result.messages[i] == old, (policy, turn, i)
-            previous = result.messages
+            previous, last = result.messages, (sent, edits)
 
 
 def test_multipart_content_stays_a_list() -> None:
@@ -163,16 +177,32 @@ def test_multipart_content_stays_a_list() -> None:
     assert msg["content"] is parts and parts[0]["text"] == "abc"  # input untouched
 
 
-def test_token_budget_reinserts_when_the_agent_shrinks_its_history() -> None:
-    """Documented: token_budget evicts while the prompt exceeds the budget, so when the agent
-    itself shrinks an earlier message (froggy rewrites its system prompt), an evicted output can
-    come back verbatim, at the cost of a re-prefill from that output on."""
+def test_token_budget_keeps_evicting_when_the_agent_shrinks_its_history() -> None:
+    """token_budget evicts while the prompt exceeds the budget; when the agent itself then shrinks
+    an earlier message (froggy rewrites its system prompt) so that the prompt would fit again, the
+    outputs it evicted stay evicted (``Conversation.previous``): none comes back verbatim."""
     messages, _ = build([(1, [20], False)] * 4, text_agent=False)
     big = [{**messages[0], "content": "s" * 800}, *messages[1:]]
     policy = TokenBudget(max_tokens=conversation(big, 3).total_tokens - 1)
-    assert [e.index for e in policy(conversation(big, 3))] == [3]  # the oldest output
+    edits = policy(conversation(big, 3))
+    assert [e.index for e in edits] == [3]  # the oldest output
     shrunk = [{**messages[0], "content": "x"}, *messages[1:]]
-    assert policy(conversation(shrunk, 4)) == []  # within the budget again: output 3 is back
+    assert policy(conversation(shrunk, 4)) == []  # stateless: within the budget again
+    again = policy(conversation(shrunk, 4, carry_edits(big, edits, shrunk)))
+    assert again == edits  # as the wrapper calls it: output 3 stays evicted
+    dropped = shrunk[:3] + shrunk[4:]  # the agent dropped the evicted output itself
+    assert carry_edits(big, edits, dropped) == []
+
+
+def test_carry_edits_follows_messages() -> None:
+    messages, _ = build([(1, [3], False)] * 4, text_agent=False)
+    edits = [Edit(index=5, replacement="[x]"), Edit(index=7, replacement="[y]")]
+    assert carry_edits(messages, edits, messages + [{"role": "user", "content": "go"}]) == edits
+    window = messages[:2] + messages[4:]  # step 0 dropped: the edits move with their messages
+    moved = carry_edits(messages, edits, window)
+    assert [e.index for e in moved] == [3, 5] and [e.replacement for e in moved] == ["[x]", "[y]"]
+    changed = [*messages[:5], {**messages[5], "content": "new"}, *messages[6:]]
+    assert [e.index for e in carry_edits(messages, edits, changed)] == [7]
 
 
 @pytest.mark.parametrize("policy", [StaleToolOutputs(keep_last=1), ObservationWindow(n=1)])
@@ -185,3 +215,44 @@ def test_window_policies_stay_stable_when_the_agent_drops_whole_old_steps(policy
     window = messages[:2] + messages[4:]  # step 0 (assistant + output) dropped
     cut = apply_edits(window, policy(conversation(window, 6))).messages
     assert cut == full[:2] + full[4:]
+
+
+def wrapper_policies() -> list[str]:
+    """Every built-in, with parameters under which it edits these conversations."""
+    return [
+        "none",
+        "stale_tool_outputs:keep_last=1",
+        "observation_window:n=1",
+        "token_budget:max_tokens=700",
+        'redact:patterns=["sk-\\\\w+"]',
+    ]
+
+
+def test_wrapper_policies_cover_every_built_in() -> None:
+    assert {spec.partition(":")[0] for spec in wrapper_policies()} == set(BUILT_INS)
+
+
+@pytest.mark.parametrize("spec", wrapper_policies())
+def test_evicted_outputs_stay_evicted_when_an_earlier_message_shrinks(spec: str) -> None:
+    """The system prompt carries the latest test report (froggy): it grows, then shrinks. An
+    output a policy evicted stays evicted on every later turn (it never comes back verbatim,
+    which would cost a re-prefill from it on), through the wrapper as the proxy runs it."""
+    from leyline_agent import ConversationWrapper
+
+    wrapper = ConversationWrapper(None, spec)
+    messages, ends = build([(1, [25], False)] * 6, text_agent=False)
+    reports = [40, 200, 400, 400, 20, 5, 300]  # lines of test report in the system prompt
+    evicted: dict[int, Any] = {}  # message index -> what it became
+    for turn, end in enumerate(ends):
+        report = "".join(f"test_{k} FAILED\n" for k in range(reports[turn]))
+        sent = [{**messages[0], "content": messages[0]["content"] + "\n" + report}]
+        sent += messages[1:end]
+        plan = wrapper.plan(sent)
+        for i, was in evicted.items():
+            assert plan.messages[i] == was, (spec, turn, i)  # still evicted, the same stub
+        for i, (orig, now) in enumerate(zip(sent, plan.messages, strict=True)):
+            if i and is_observation(orig) and now != orig:
+                evicted.setdefault(i, now)
+        wrapper.commit(plan)
+    if spec.startswith(("stale", "observation", "token")):
+        assert evicted, spec  # the shape makes every evicting policy evict

@@ -11,7 +11,7 @@ from leyline_agent.messages import OBSERVATION_KEY, is_observation, message_text
 from leyline_agent.policies.edits import EditResult, apply_edits
 from leyline_agent.policies.none import NonePolicy
 from leyline_agent.policies.observation_window import ObservationWindow
-from leyline_agent.policies.protocol import Conversation, Edit, Policy, PolicyError
+from leyline_agent.policies.protocol import Conversation, Edit, Policy, PolicyError, carry_edits
 from leyline_agent.policies.redact import Redact
 from leyline_agent.policies.registry import (
     ENTRY_POINT_GROUP,
@@ -38,6 +38,7 @@ __all__ = [
     "TokenBudget",
     "apply_edits",
     "available_policies",
+    "carry_edits",
     "get_policy",
     "is_observation",
     "message_text",

@@ -13,6 +13,8 @@ Observations are the environment's answers to the agent (``messages.is_observati
 
 from __future__ import annotations
 
+import difflib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -69,12 +71,17 @@ class Conversation:
             included; the template's preamble and generation prompt are in no message).
         turn: index of this request in the conversation (0 for the first).
         count_tokens: tokens in a text with the model's tokenizer (to size a stub).
+        previous: the edits this policy returned on the previous turn, for the messages the agent
+            sent again unchanged, re-indexed to ``messages`` (``carry_edits``; the wrapper fills
+            it). A policy whose decisions must not be undone (an evicted output stays evicted)
+            reads it; the others ignore it.
     """
 
     messages: Sequence[Mapping[str, Any]]
     token_counts: Sequence[int]
     turn: int = 0
     count_tokens: Callable[[str], int] = field(default=lambda text: len(text.encode()) // 4 + 1)
+    previous: Sequence[Edit] = ()
 
     def __post_init__(self) -> None:
         if len(self.token_counts) != len(self.messages):
@@ -119,6 +126,36 @@ class Conversation:
         for i in self.observations:
             groups.setdefault(self.steps[i], []).append(i)
         return list(groups.values())
+
+
+def carry_edits(
+    before: Sequence[Mapping[str, Any]],
+    edits: Sequence[Edit],
+    after: Sequence[Mapping[str, Any]],
+) -> list[Edit]:
+    """``edits`` of the message list ``before``, re-indexed to ``after``: an edit follows its
+    message when the agent sent it again unchanged (equal, at the same index or, where messages
+    were inserted or dropped, where ``difflib`` aligns it); edits of changed or dropped messages
+    are left out."""
+    if not edits:
+        return []
+    same = [e for e in edits if e.index < len(after) and _equal(before[e.index], after[e.index])]
+    if len(same) == len(edits):
+        return list(edits)
+    moved: dict[int, int] = {}
+    keys_b = [_KEYS.encode(m) for m in before]
+    keys_a = [_KEYS.encode(m) for m in after]
+    matcher = difflib.SequenceMatcher(None, keys_b, keys_a, autojunk=False)
+    for i, j, n in matcher.get_matching_blocks():
+        moved.update((i + k, j + k) for k in range(n))
+    return [e.model_copy(update={"index": moved[e.index]}) for e in edits if e.index in moved]
+
+
+def _equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a is b or a == b
+
+
+_KEYS = json.JSONEncoder(sort_keys=True, default=str)
 
 
 class Policy(Protocol):

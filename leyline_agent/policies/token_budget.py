@@ -4,9 +4,10 @@ Observations are evicted a whole agent step at a time, oldest first, exactly as
 ``stale_tool_outputs`` evicts them (same stub, same ``{n}``), until the sum of the messages' token
 counts (chat markup included, each evicted output counted at its stub's size) is at most
 ``max_tokens``. Only observations are evicted: a conversation whose other messages alone exceed the
-budget stays over it. While the conversation only grows between turns, an evicted step stays
-evicted; if the agent shrinks an earlier message itself (froggy rewrites its system prompt), the
-prompt may fit again and an evicted step comes back verbatim (a re-prefill from it on). Mode
+budget stays over it. Eviction is monotone: a step evicted on the previous turn
+(``Conversation.previous``) stays evicted, also when the agent shrinks an earlier message itself
+(froggy rewrites its system prompt with the latest test output) and the prompt would fit again, so
+an evicted output never comes back verbatim (which would cost a re-prefill from it on). Mode
 AMORTIZE.
 """
 
@@ -29,13 +30,21 @@ class TokenBudget(BaseModel):
     stub: StubTemplate = DEFAULT_STUB
 
     def __call__(self, conversation: Conversation) -> list[Edit]:
-        total = conversation.total_tokens
-        evict: list[list[int]] = []
-        for group in conversation.observation_groups():
+        def saved(group: list[int]) -> int:
+            before = sum(conversation.token_counts[i] for i in group)
+            return before - conversation.count_tokens(self.stub.format(n=len(group)))
+
+        groups = conversation.observation_groups()
+        done = {e.index for e in conversation.previous}
+        evicted = [bool(done.intersection(g)) for g in groups]  # evicted before: stays evicted
+        total = conversation.total_tokens - sum(
+            saved(g) for g, e in zip(groups, evicted, strict=True) if e
+        )
+        for k, group in enumerate(groups):
             if total <= self.max_tokens:
                 break
-            before = sum(conversation.token_counts[i] for i in group)
-            after = conversation.count_tokens(self.stub.format(n=len(group)))
-            total -= before - after
-            evict.append(group)
+            if not evicted[k]:
+                total -= saved(group)
+                evicted[k] = True
+        evict = [g for g, e in zip(groups, evicted, strict=True) if e]
         return stub_edits(conversation, evict, self.stub, "token_budget")
