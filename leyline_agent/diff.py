@@ -14,10 +14,14 @@ Diff rule (``diff_rendered``):
    the counts allow. An unchanged message whose tokens nonetheless differ (a template that
    re-renders earlier messages differently) counts as changed and sets ``fallback``; so does a
    changed preamble (unless the tools changed).
-3. Each changed range is trimmed by its longest common token prefix and suffix and becomes one
-   directive that touches only the differing tokens (directives that touch merge). Its mode is
-   the strongest mode of the policy edits behind it (``old_modes``/``new_modes``); a change no
-   edit made (the agent rewrote a message) gets ``default_mode``.
+3. Each run of consecutive changed ranges is trimmed by its longest common token prefix and
+   suffix and, where it is small enough, matched token by token (difflib on the ids): every
+   part that differs becomes one directive that touches only the differing tokens (parts fewer
+   than ``_MIN_KEEP`` equal tokens apart join), so that a template's small edits to several
+   earlier messages (think blocks dropped once a new user query follows) stay small directives
+   however the spans fell. A directive's mode is the strongest mode of the policy edits behind
+   the ranges it touches (``old_modes``/``new_modes``); a change no edit made (the agent rewrote
+   a message, the template re-rendered one) gets ``default_mode``.
 4. The result is verified; if it ever failed, one directive from the first differing token
    replaces the rest (``fallback``), which is exact by construction.
 """
@@ -218,19 +222,66 @@ def diff_rendered(
     return Diff(directives, tail, fallback)
 
 
+_MIN_KEEP = 4  # equal tokens between two changes kept apart (fewer: one directive covers both)
+_MAX_CELLS = (
+    1 << 20
+)  # old x new tokens of a changed run matched token by token (more: trimmed only)
+
+
+def _changes(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """``(old_start, old_end, new_start, new_end)`` of what differs between ``old`` and ``new``:
+    the common prefix and suffix trimmed, then, for a run small enough, difflib's opcodes on the
+    token ids (autojunk off), changes fewer than ``_MIN_KEEP`` equal tokens apart joined."""
+    k = _common_prefix(old, new)
+    k2 = _common_suffix(old, new, min(len(old), len(new)) - k)
+    a, b, c, d = k, len(old) - k2, k, len(new) - k2
+    if a == b and c == d:
+        return []
+    if a == b or c == d or (b - a) * (d - c) > _MAX_CELLS:
+        return [(a, b, c, d)]
+    out: list[tuple[int, int, int, int]] = []
+    ops = difflib.SequenceMatcher(None, old[a:b], new[c:d], autojunk=False).get_opcodes()
+    for tag, i1, i2, j1, j2 in ops:
+        if tag == "equal":
+            continue
+        if out and a + i1 - out[-1][1] < _MIN_KEEP:
+            out[-1] = (out[-1][0], a + i2, out[-1][2], c + j2)
+        else:
+            out.append((a + i1, a + i2, c + j1, c + j2))
+    return out
+
+
 def _directives(old: list[int], new: list[int], regions: list[_Region]) -> list[Directive]:
-    """One directive per changed region, trimmed to the tokens that differ; touching ones merge."""
+    """The directives of each run of consecutive changed regions: the tokens that differ
+    (``_changes``), so that changes to several messages (a template dropping think blocks from
+    every earlier turn) stay apart however the spans fell; directives that touch merge. A
+    directive's mode is the strongest of the changed regions it touches."""
     out: list[Directive] = []
-    for a, b, c, d, mode in regions:
-        if mode is None:
+    i = 0
+    while i < len(regions):
+        if regions[i].mode is None:
+            i += 1
             continue
-        k = _common_prefix(old[a:b], new[c:d])
-        k2 = _common_suffix(old[a + k : b], new[c + k : d], min(b - a, d - c) - k)
-        if b - a == k + k2 and d - c == k + k2:
-            continue
-        start, end, repl = a + k, b - k2, tuple(new[c + k : d - k2])
-        if out and out[-1].end == start:  # touching (or two insertions at one point): merge
-            prev = out.pop()
-            start, repl, mode = prev.start, prev.replacement + repl, Mode.strongest(prev.mode, mode)
-        out.append(Directive(start=start, end=end, replacement=repl, mode=mode or Mode.AMORTIZE))
+        j = i
+        while j < len(regions) and regions[j].mode is not None:
+            j += 1
+        run = regions[i:j]
+        a, c = run[0].old_start, run[0].new_start
+        for s, e, s2, e2 in _changes(old[a : run[-1].old_end], new[c : run[-1].new_end]):
+            s, e, s2, e2 = s + a, e + a, s2 + c, e2 + c
+            mode = _strongest(
+                [
+                    r.mode
+                    for r in run
+                    if (r.old_start < e and s < r.old_end)
+                    or (r.new_start < e2 and s2 < r.new_end)
+                    or (r.old_start <= s <= r.old_end and r.new_start <= s2 <= r.new_end)
+                ]
+            )
+            repl = tuple(new[s2:e2])
+            if out and out[-1].end == s:  # touching (or two insertions at one point): merge
+                prev = out.pop()
+                s, repl, mode = prev.start, prev.replacement + repl, Mode.strongest(prev.mode, mode)
+            out.append(Directive(start=s, end=e, replacement=repl, mode=mode or Mode.AMORTIZE))
+        i = j
     return out

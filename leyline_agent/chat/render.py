@@ -23,10 +23,13 @@ from tokenizers import Tokenizer
 from leyline_agent.chat.locality import cut_token_ids, is_local
 from leyline_agent.chat.sglang import sglang_messages, sglang_tools
 from leyline_agent.chat.spans import (
+    Found,
     Message,
     Rendered,
     clamp_to_contents,
     common_prefix_len,
+    content_positions,
+    resync,
     token_spans,
 )
 from leyline_agent.chat.template import compile_template
@@ -177,13 +180,30 @@ class Renderer:
                 extra = sglang_messages(extra)
             return self._try_render([*norm[:k], *extra], norm_tools, True, template_kwargs)
 
+        found: list[Found | None] | None = None
+        # ``anchor``: a prefix rendering's start that ends at bounds[k - 1] in the full text.
+        anchor: str | None = None
         for k in range(n + 1):
             b = bounds[k - 1] if k else 0
             prefix = render_prefix(k)
             if prefix is None:
                 bounds[k] = len(text) if k == n else b
+                anchor = None
                 continue
             lcp = common_prefix_len(prefix, text)
+            if lcp < len(prefix) and anchor is not None and prefix.startswith(anchor):
+                # The rendering stops agreeing inside an earlier message (a template renders it
+                # differently once later messages follow: think blocks dropped after a new user
+                # query) or at a closing rendered only after the last message. The piece after
+                # the anchor is found after the previous boundary, before the next content.
+                if found is None:
+                    found = content_positions(messages, text)
+                hi = next((f.at for f in found[k:] if f is not None and f.at >= b), len(text))
+                got = resync(prefix[len(anchor) :], text, b, hi)
+                if got is not None:
+                    bounds[k] = got[0]
+                    anchor = prefix[: len(anchor) + got[1]]
+                    continue
             if lcp < len(prefix) and k < n:
                 # The shorter rendering diverges (a default system prompt, a block closed only
                 # after the last message): the agreement may run on into message k's content by
@@ -195,6 +215,7 @@ class Renderer:
                 if probed is not None:
                     lcp = min(lcp, common_prefix_len(probed, text))
             bounds[k] = max(b, lcp)
+            anchor = prefix[:lcp] if lcp >= b else None
         return bounds
 
     def encode(self, text: str) -> list[int]:

@@ -5,9 +5,14 @@ the full rendering to where that of ``messages[:k+1]`` does (where the shorter r
 no later than where a probe message in ``k``'s place does; and never inside a message's content,
 as found in order in the full text), and the tokens whose first character falls there. Spans tile
 the prompt: the tokens before ``spans[0]`` are the template's preamble, those after ``spans[-1]``
-the generation prompt. A token that straddles a boundary belongs to the message it starts in. The
-spans are a best effort for templates that render a message differently depending on what
-follows; nothing downstream relies on them for correctness.
+the generation prompt. A token that straddles a boundary belongs to the message it starts in.
+
+Templates that render earlier messages differently depending on what follows (reasoning models:
+Qwen3 renders ``<think>`` blocks only after the last user query, GLM-4.5 and Kimi-K2-thinking empty
+them before it) make a prefix rendering stop agreeing with the full one early, inside an earlier
+message. Then, where the rendering of ``messages[:k]`` extends that of ``messages[:k-1]`` whose
+end is known in the full text, the end of the added piece is found there again (``resync``). The spans are a best effort; nothing downstream relies on
+them for correctness (the diff is exact by construction).
 
 This module holds the type and the pieces that do not render (finding contents, clamping,
 characters to tokens); ``chat.render.Renderer.raw_bounds`` renders the prefixes.
@@ -107,6 +112,62 @@ def clamp_to_contents(bounds: list[int], messages: Sequence[Message], text: str)
     found in order in the full text, bound them (contents the template altered are skipped).
     """
     clamp_bounds(bounds, content_positions(messages, text), len(text))
+
+
+def common_suffix_len(a: str, a_end: int, b: str, b_end: int) -> int:
+    """Length of the longest common suffix of ``a[:a_end]`` and ``b[:b_end]``."""
+    lo, hi = 0, min(a_end, b_end)  # invariant: the last lo characters agree
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[a_end - mid : a_end] == b[b_end - mid : b_end]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+_KEY = 32  # characters of a rendering's end looked up in the full text
+_CANDIDATES = 64  # positions checked per look-up
+_TRIMS = 3  # closing segments (``<...>`` or a line) a rendering may end with
+_SLACK = 16  # characters the full text may have where the rendering had more
+
+
+def resync(piece: str, text: str, start: int, hi: int) -> tuple[int, int] | None:
+    """Where ``piece``, a message rendered as the last one, ends in ``text`` (which has that
+    message's rendering from ``start`` on, ending by ``hi``).
+
+    The full text may lack a middle part of the piece (a think block the template drops once
+    later messages follow; at most ``_SLACK`` characters of something else in its place): the end
+    is a position ``q`` with ``text[start:q]`` no longer than the piece and explained by the
+    piece's common prefix and suffix with it; of several, the one with the longest common suffix,
+    then the first. Where there is none, the piece's last segments (a closing rendered only
+    after the last message, such as ``<|im_end|>``; up to three) are dropped and the rest is
+    looked up. Returns the end in ``text`` and the length of the piece it ends (None: not
+    found).
+    """
+    end = len(piece)
+    if text.startswith(piece, start):
+        return start + end, end
+    for _ in range(_TRIMS + 1):
+        if end <= 0:
+            return None
+        m = min(end, _KEY)
+        key = piece[end - m : end]
+        best, best_suffix = None, -1
+        i = text.find(key, start, hi)
+        for _ in range(_CANDIDATES):
+            if i < 0 or i + m - start > end + _SLACK:
+                break
+            q = i + m
+            c1 = common_prefix_len(piece[:end], text[start:q])
+            c2 = min(common_suffix_len(piece, end, text, q), end)
+            if q - start <= min(c1 + c2, end) + _SLACK and c2 > best_suffix:
+                best, best_suffix = q, c2
+            i = text.find(key, i + 1, hi)
+        if best is not None:
+            return best, end
+        end = max(piece.rfind("\n", 0, end - 1) + 1, piece.rfind("<", 0, end - 1))
+    return None
 
 
 def token_spans(starts: Sequence[int], bounds: Sequence[int]) -> list[tuple[int, int]]:
