@@ -34,13 +34,11 @@ from typing import Any, Literal, NamedTuple
 
 from leyline_agent.accounting import Totals
 from leyline_agent.proxy.auth import DEFAULT_TENANT
-from leyline_agent.proxy.identity import SessionKey, match_form, shared, size
+from leyline_agent.proxy.identity import SessionKey, match_form, size
+from leyline_agent.proxy.matching import MIN_SHARED, best_match
 from leyline_agent.session import SessionCore
 
 Source = Literal["header", "user", "prefix", "new"]
-# NOTE: an anonymous request may continue a session whose history it does not extend exactly
-# (the agent edited it) when the shared prefix is at least this share of the session's history.
-MIN_SHARED = 0.5
 
 
 class PinError(NamedTuple):
@@ -230,42 +228,15 @@ class SessionRegistry:
     def _match(
         self, messages: Sequence[Mapping[str, Any]], tenant: str, cache_salt: str | None
     ) -> ProxySession | None:
-        """The anonymous session an unnamed request continues, if any.
-
-        A candidate is an anonymous session of the same tenant and ``cache_salt`` with no turn in
-        flight whose committed history is *shorter* than the request (a session that has
-        already reached this request's length took an equal request before: the request is
-        another run of the same agent, never merged into it). Messages are compared in their
-        ``match_form``. The candidate sharing the longest leading run of messages (measured in
-        characters) wins, an exact prefix before an edited history; an edited history (the agent
-        rewrote an earlier message) qualifies only when the shared part is at least
-        ``min_shared`` of the session's history. A tie means identical histories (two runs of
-        one agent in lockstep): it goes to the least recently used, so runs that alternate turns
-        keep their own sessions.
-        """
-        incoming: list[dict[str, Any]] | None = None
-        best: tuple[tuple[int, bool, float], ProxySession] | None = None
-        for s in self._sessions.values():
-            if s.named or s.tenant != tenant or s.core.placement.salt != cache_salt:
-                continue
-            if s.lock.locked() or not 0 < len(s.core.messages) < len(messages):
-                continue
-            if incoming is None:
-                incoming = [match_form(m) for m in messages]
-            forms, sizes = s.committed_form()
-            n = shared(forms, incoming)
-            if n == 0:
-                continue
-            exact = n == len(forms)
-            if not exact and sizes[n - 1] < self._min_shared * sizes[-1]:
-                continue
-            rank = (sizes[n - 1], exact, -s.last_used)
-            if best is None or rank > best[0]:
-                best = (rank, s)
-        if best is None:
-            return None
-        session = best[1]
-        if session.source == "new":
+        """The anonymous session an unnamed request continues, if any (``matching.best_match``
+        over the tenant's idle anonymous sessions with this salt)."""
+        candidates = [
+            s for s in self._sessions.values()
+            if not s.named and s.tenant == tenant and s.core.placement.salt == cache_salt
+            and not s.lock.locked()
+        ]  # fmt: skip
+        session = best_match(candidates, messages, self._min_shared)
+        if session is not None and session.source == "new":
             session.source = "prefix"
         return session
 
