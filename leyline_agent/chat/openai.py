@@ -47,7 +47,7 @@ def chat_request_view(
     keys), parses tool-call ``arguments`` strings into objects that the template re-serialises
     with ``tojson``, renders no tools under ``tool_choice="none"`` and only the named one under a
     named ``tool_choice``, and renders a final assistant message with text content as a user
-    turn (unless ``continue_final_message``: ``SessionCore.begin(continue_final=True)``).
+    turn (unless ``continue_final_message``: ``chat_turn.prepare`` then plans without it).
     Planning on the raw request would give other tokens than the server's prompt (every splice
     would then miss). This view is a fixed point of that normalisation: send it and render it,
     and both sides agree. Semantics are unchanged.
