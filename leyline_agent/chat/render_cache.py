@@ -12,6 +12,12 @@ the new ids' prefix, and only the text after it is encoded, piece by piece.
 Boundaries are clamped to the contents as ``clamp_to_contents`` does; contents found wholly
 inside the unchanged text keep their positions and clamped boundaries (``Found.need``).
 
+A first message changed in place (its content only: froggy's task plus test report) is re-rendered
+from a window for a head-local template (``chat.head``), and the old piece it is encoded in is
+re-tokenized only around the change (``chat.retokenize.resplice``, between line cuts, checked on the
+old text; ``stats["window_fallbacks"]`` counts the pieces encoded in full after a failed check).
+Token starts are kept as segments (``retokenize.Starts``), so no step costs per unchanged token.
+
 Messages are compared with ``==`` (values equal in Python but rendered differently, such as ``1``
 and ``1.0``, count as the same); remembered messages are copies, so mutating a message after
 rendering it cannot make a stale render look current. Treat the returned ``Rendered`` as
@@ -27,19 +33,28 @@ from copy import deepcopy
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from leyline_agent.chat.head import content_only, head_local, splice_head
 from leyline_agent.chat.locality import common_messages, full_text, splice_window
 from leyline_agent.chat.render import Renderer
+from leyline_agent.chat.retokenize import (
+    Seg,
+    Starts,
+    encoding_starts,
+    line_cuts,
+    prefix_len,
+    resplice,
+)
 from leyline_agent.chat.spans import (
     Found,
     Message,
     Rendered,
     clamp_bounds,
-    common_prefix_len,
     content_positions,
-    token_spans,
 )
 
 _MAX_PIECES = 4096  # remembered encoded pieces (about two messages each)
+_MAX_PIECE_CHARS = 1 << 23  # and at most this many characters of them
+_WINDOW_MIN = 2048  # a changed piece at least this long is re-tokenized around the change
 
 
 class _State(NamedTuple):
@@ -49,7 +64,7 @@ class _State(NamedTuple):
     text: str
     raw: list[int]  # boundaries before clamping
     tokens: list[int]
-    starts: list[int]  # first character of every token
+    starts: Starts  # first character of every token
     cuts: list[int]  # token indices right after a special token (sorted)
     rendered: Rendered
     bounds: list[int]  # clamped
@@ -80,7 +95,9 @@ class IncrementalRenderer:
         self.max_states = states
         self._states: list[_State] = []
         self._local = local
-        self._pieces: dict[str, tuple[list[int], list[int]]] = {}
+        self._pieces: dict[str, tuple[list[int], Starts]] = {}
+        self._piece_chars = 0
+        self.stats = {"windowed": 0, "window_fallbacks": 0}
 
     @cached_property
     def _cuts(self) -> tuple[frozenset[int], re.Pattern[str] | None]:
@@ -110,24 +127,37 @@ class IncrementalRenderer:
         """
         messages = list(messages)
         tools_l = list(tools) if tools is not None else None
-        best, m = None, -1
+        best, m, head = None, -1, False
         for s in self._states:
             if s.tools == tools_l and s.add_generation_prompt == add_generation_prompt:
-                k = common_messages(s.messages, messages)
+                k, h = common_messages(s.messages, messages), False
+                if k == 0 and self._head_changed(s.messages, messages):
+                    # NOTE: only the first message's content changed before message ``k``.
+                    k, h = 1 + common_messages(s.messages[1:], messages[1:]), True
                 if k > m:
-                    best, m = s, k
-        if best is not None and m == len(messages) == len(best.messages):
+                    best, m, head = s, k, h
+        if best is not None and m == len(messages) == len(best.messages) and not head:
             self._remember(best, best)
             return best.rendered
         found, need, pos, start = [], [], [0], 0
-        if best is not None and m >= 3 and self.local:
+        if best is not None and head:
+            w = [messages[0], *best.messages[1:3]]
+            old_text, old_raw = splice_head(
+                best.text, best.raw, *full_text(self.renderer, w, tools, add_generation_prompt)
+            )
+        elif best is not None:
+            old_text, old_raw = best.text, best.raw
+        if best is not None and head and m == len(messages) == len(best.messages):
+            text, raw = old_text, old_raw
+        elif best is not None and m >= 3 and self.local:
             window = [messages[0], messages[m - 2], *messages[m - 1 :]]
             text_w, raw_w = full_text(self.renderer, window, tools, add_generation_prompt)
-            text, raw = splice_window(best.text, best.raw, m, text_w, raw_w)
-            # Contents found wholly inside the unchanged text are found there again, and the
-            # boundaries clamped by them stay (see ``Found.need``).
-            start = min(bisect_right(best.need, best.raw[m - 1]), m - 1)
-            found, need, pos = best.found[:start], best.need[:start], best.pos[: start + 1]
+            text, raw = splice_window(old_text, old_raw, m, text_w, raw_w)
+            if not head:
+                # Contents found wholly inside the unchanged text are found there again, and the
+                # boundaries clamped by them stay (see ``Found.need``).
+                start = min(bisect_right(best.need, best.raw[m - 1]), m - 1)
+                found, need, pos = best.found[:start], best.need[:start], best.pos[: start + 1]
         else:
             text, raw = full_text(self.renderer, messages, tools, add_generation_prompt)
         tokens, starts, cuts = self._encode(text, best)
@@ -139,8 +169,11 @@ class IncrementalRenderer:
             pos.append(at)
         bounds = [*best.bounds[:start], *raw[start:]] if best is not None and start else list(raw)
         clamp_bounds(bounds, found, len(text), start)
-        rendered = Rendered(tokens, token_spans(starts, bounds), text)
+        cut = [starts.bisect_left(b) for b in bounds]
+        rendered = Rendered(tokens, list(zip(cut, cut[1:], strict=False)), text)
         kept = best.messages[:m] if best is not None and m > 0 else []
+        if head:
+            kept[0] = _frozen(messages[0])
         state = _State(
             [*kept, *map(_frozen, messages[len(kept) :])],
             tools_l,
@@ -159,47 +192,80 @@ class IncrementalRenderer:
         self._remember(best, state)
         return rendered
 
-    def _encode(self, text: str, base: _State | None) -> tuple[list[int], list[int], list[int]]:
+    def _head_changed(self, old: list[Message], new: list[Message]) -> bool:
+        """Only the first message's content differs at the front, and ``splice_head`` applies."""
+        return (
+            len(old) >= 3
+            and len(new) >= 3
+            and content_only(old[0], new[0])
+            and self.local
+            and head_local(self.renderer)
+        )
+
+    def _encode(self, text: str, base: _State | None) -> tuple[list[int], Starts, list[int]]:
         """Token ids, token starts and cut points of ``text``: ``base``'s ids up to the last cut
         inside the text both agree on, then piece by piece (a piece ends after a special token),
-        each piece's ids remembered."""
+        each piece's ids remembered; a long first piece is re-tokenized from ``base``'s around the
+        change (``resplice``)."""
         cut_ids, splitter = self._cuts
         i = p = j = 0
         tokens: list[int] = []
-        starts: list[int] = []
+        segs: list[Seg] = []
         cuts: list[int] = []
         if base is not None and cut_ids:
-            agree = common_prefix_len(base.text, text)
+            agree = prefix_len(base.text, text)
             # NOTE: token i - 1 ends where token i starts; a cut at i is reusable when that end
             # lies inside the agreeing prefix (the whole old text counts as ending at its length).
-            q = (
-                len(base.starts) + 1
-                if agree == len(base.text)
-                else bisect_right(base.starts, agree)
-            )
+            q = len(base.starts) + 1 if agree == len(base.text) else base.starts.bisect_right(agree)
             j = bisect_left(base.cuts, q)
             if j:
                 i = base.cuts[j - 1]
                 p = base.starts[i] if i < len(base.starts) else len(base.text)
-                tokens, starts, cuts = base.tokens[:i], base.starts[:i], base.cuts[:j]
+                tokens, cuts = base.tokens[:i], base.cuts[:j]
+                segs = list(base.starts.slice(0, i).segs)
         ends = [m.end() for m in splitter.finditer(text, p)] if splitter else []
         if not ends or ends[-1] != len(text):
             ends.append(len(text))
-        if len(self._pieces) > _MAX_PIECES:
-            self._pieces.clear()
-        for end in ends:
+        encode = self._encoder
+        for k, end in enumerate(ends):
             piece = text[p:end]
             hit = self._pieces.get(piece)
             if hit is None:
-                enc = self.renderer.tokenizer.encode(piece, add_special_tokens=False)
-                hit = self._pieces[piece] = (enc.ids, [s for s, _ in enc.offsets])
+                if k == 0 and base is not None and len(piece) >= _WINDOW_MIN:
+                    hit = self._resplice(base, i, j, p, piece)
+                if hit is None:
+                    enc = encode(piece)
+                    hit = (enc.ids, Starts.of(encoding_starts(enc)))
+                if len(self._pieces) > _MAX_PIECES or self._piece_chars > _MAX_PIECE_CHARS:
+                    self._pieces.clear()
+                    self._piece_chars = 0
+                self._pieces[piece] = hit
+                self._piece_chars += len(piece)
             ids, local = hit
             if ids and ids[-1] in cut_ids:
                 cuts.append(len(tokens) + len(ids))
             tokens += ids
-            starts += [p + s for s in local]
+            segs += [(sh + p, loc, lo, hi) for sh, loc, lo, hi in local.segs]
             p = end
-        return tokens, starts, cuts
+        return tokens, Starts(segs), cuts
+
+    def _encoder(self, text: str) -> Any:
+        return self.renderer.tokenizer.encode(text, add_special_tokens=False)
+
+    def _resplice(
+        self, base: _State, i: int, j: int, p: int, piece: str
+    ) -> tuple[list[int], Starts] | None:
+        """``piece`` (at ``p``) re-tokenized from ``base``'s piece at ``p`` (its tokens from ``i``
+        to the next cut after ``base.cuts[j - 1]``), or None (encode it in full)."""
+        if not line_cuts(self.renderer.tokenizer):
+            return None
+        c = base.cuts[j] if j < len(base.cuts) else len(base.tokens)
+        q = base.starts[c] if c < len(base.starts) else len(base.text)
+        old = base.text[p:q]
+        if len(old) < _WINDOW_MIN // 2:
+            return None
+        old_ids, old_starts = base.tokens[i:c], base.starts.slice(i, c, -p)
+        return resplice(self._encoder, old, old_ids, old_starts, piece, self.stats)
 
     def _remember(self, used: _State | None, state: _State) -> None:
         """Most recent first: the new state, then the one it was made from, then the rest."""
