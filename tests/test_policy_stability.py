@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from leyline_agent import Mode
 from leyline_agent.policies import (
+    ClearThinking,
     Conversation,
     Edit,
     NonePolicy,
@@ -30,7 +31,14 @@ from leyline_agent.policies import (
     is_observation,
 )
 
-BUILT_INS = ["none", "observation_window", "redact", "stale_tool_outputs", "token_budget"]
+BUILT_INS = [
+    "clear_thinking",
+    "none",
+    "observation_window",
+    "redact",
+    "stale_tool_outputs",
+    "token_budget",
+]
 SHAPE_KEYS = ("role", "tool_call_id", "name", "tool_calls", "leyline_observation")
 
 Step = tuple[int, list[int], bool]  # (outputs, their sizes in lines, multi-part content)
@@ -49,6 +57,10 @@ def build(steps: list[Step], text_agent: bool) -> tuple[list[dict[str, Any]], li
             for j in range(k)
         ]
         act: dict[str, Any] = {"role": "assistant", "content": f"step {s} sk-a{s}"}
+        if s % 3 == 1:  # reasoning sent back (litellm), inline, or not at all
+            act["reasoning_content"] = f"think {s}"
+        elif s % 3 == 2:
+            act["content"] = f"<think>think {s}</think>\n\n" + act["content"]
         if calls and not text_agent:
             act["tool_calls"] = calls
         msgs.append(act)
@@ -97,6 +109,8 @@ def policies() -> list[Any]:
         TokenBudget(max_tokens=200),
         Redact(patterns=[r"sk-\w+", r"token sk"]),
         Redact(patterns=["line\nli"], roles=["tool", "user"]),  # spans across parts
+        ClearThinking(keep_last=0),
+        ClearThinking(keep_last=2),
     ]
 
 
@@ -149,7 +163,12 @@ def test_edits_keep_shape_and_stay_once_made(
             assert result.sources == list(range(len(sent)))  # no built-in drops a message
             for before, after in zip(sent, result.messages, strict=True):
                 check_shape(before, after)
-            assert all(is_observation(sent[e.index]) for e in edits if e.mode is Mode.AMORTIZE)
+            assert all(  # AMORTIZE edits touch observations, or an assistant's thinking only
+                is_observation(sent[e.index])
+                or (e.reason == "clear_thinking" and sent[e.index]["role"] == "assistant")
+                for e in edits
+                if e.mode is Mode.AMORTIZE
+            )
             if previous is not None:
                 for i, (orig, old) in enumerate(zip(messages, previous, strict=False)):
                     if i and old != orig:  # edited on the previous turn: the same on this one
@@ -225,6 +244,7 @@ def wrapper_policies() -> list[str]:
         "observation_window:n=1",
         "token_budget:max_tokens=700",
         'redact:patterns=["sk-\\\\w+"]',
+        "clear_thinking:keep_last=1",
     ]
 
 

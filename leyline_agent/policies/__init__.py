@@ -1,6 +1,7 @@
 """Policies: small deterministic plug-ins that decide what to edit in a conversation.
 
-Built-ins: ``none``, ``stale_tool_outputs``, ``token_budget``, ``observation_window``, ``redact``.
+Built-ins: ``none``, ``stale_tool_outputs``, ``token_budget``, ``observation_window``, ``redact``,
+``clear_thinking``.
 Third-party policies register with :func:`register_policy` or the ``leyline_agent.policies``
 entry-point group. See ``docs/policies.md``.
 """
@@ -8,6 +9,7 @@ entry-point group. See ``docs/policies.md``.
 from __future__ import annotations
 
 from leyline_agent.messages import OBSERVATION_KEY, is_observation, message_text
+from leyline_agent.policies.clear_thinking import ClearThinking
 from leyline_agent.policies.edits import EditResult, apply_edits
 from leyline_agent.policies.none import NonePolicy
 from leyline_agent.policies.observation_window import ObservationWindow
@@ -26,6 +28,7 @@ from leyline_agent.policies.token_budget import TokenBudget
 __all__ = [
     "ENTRY_POINT_GROUP",
     "OBSERVATION_KEY",
+    "ClearThinking",
     "Conversation",
     "Edit",
     "EditResult",

@@ -34,8 +34,9 @@ class _Span(NamedTuple):
 def apply_edits(messages: Sequence[Mapping[str, Any]], edits: Sequence[Edit]) -> EditResult:
     """Apply edits to a message list (the input is not modified).
 
-    An edit changes a message's ``content`` and nothing else: ``role``, ``tool_call_id``,
-    ``name``, ``tool_calls`` and every other key stay as they were. Content keeps its type:
+    An edit changes a message's ``content`` (or, with ``key="reasoning_content"``, its
+    ``reasoning_content`` string) and nothing else: ``role``, ``tool_call_id``, ``name``,
+    ``tool_calls`` and every other key stay as they were. Content keeps its type:
 
     - a string stays a string (``None`` content replaced as a whole becomes the replacement);
     - multi-part content (a list) stays a list. A whole-content replacement becomes one text part
@@ -68,6 +69,14 @@ def apply_edits(messages: Sequence[Mapping[str, Any]], edits: Sequence[Edit]) ->
         for e in mine:
             mode = Mode.strongest(mode, e.mode)
         modes[i] = mode or Mode.AMORTIZE
+        reasoning = [e for e in mine if e.key == "reasoning_content"]
+        if reasoning:
+            message = _edit_reasoning(i, message, reasoning)
+            mine = [e for e in mine if e.key == "content"]
+            if not mine:
+                out.append(dict(message))
+                sources.append(i)
+                continue
         whole = [e for e in mine if e.span is None]
         if whole and len(mine) > 1:
             raise PolicyError(f"message {i}: a whole-message edit cannot be combined with others")
@@ -103,6 +112,28 @@ def apply_edits(messages: Sequence[Mapping[str, Any]], edits: Sequence[Edit]) ->
         out.append({**message, "content": new_content})
         sources.append(i)
     return EditResult(out, sources, modes)
+
+
+def _edit_reasoning(i: int, message: Mapping[str, Any], edits: Sequence[Edit]) -> dict[str, Any]:
+    """``message`` with edits of its ``reasoning_content`` (a string) applied."""
+    text = message.get("reasoning_content")
+    if not isinstance(text, str):
+        raise PolicyError(f"message {i}: reasoning_content edited, but it has none (a string)")
+    whole = [e for e in edits if e.span is None]
+    if whole:
+        if len(edits) > 1:
+            raise PolicyError(f"message {i}: a whole reasoning_content edit cannot be combined")
+        return {**message, "reasoning_content": whole[0].replacement or ""}
+    spans = sorted(
+        (_Span(*e.span, e.replacement or "") for e in edits if e.span is not None),
+        key=lambda s: (s.start, s.end),
+    )
+    for a, b in zip(spans, spans[1:], strict=False):
+        if a.end > b.start:
+            raise PolicyError(f"message {i}: overlapping reasoning_content edit spans")
+    if spans[-1].end > len(text):
+        raise PolicyError(f"message {i}: span past its reasoning_content's {len(text)} chars")
+    return {**message, "reasoning_content": _edit_text(text, spans)}
 
 
 def _edit_text(text: str, spans: Sequence[_Span]) -> str:

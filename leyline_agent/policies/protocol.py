@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol, Self
+from typing import Any, Literal, Protocol, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -38,6 +38,9 @@ class Edit(BaseModel):
         span: ``(start, end)`` character span of the message's text to replace; ``None`` replaces
             the whole content.
         replacement: new text; ``None`` (only with ``span=None``) drops the message.
+        key: the text the edit changes: the message's ``content`` (default), or its
+            ``reasoning_content`` (an assistant message's reasoning, sent back by clients such as
+            litellm; a string, with ``span`` over it; ``replacement`` required).
         mode: how the server executes the resulting directive (AMORTIZE keeps downstream KV,
             FORGET re-prefills so the old content's influence is gone).
         reason: a short label for reports (usually the policy's name).
@@ -50,9 +53,12 @@ class Edit(BaseModel):
     replacement: str | None
     mode: Mode = Mode.AMORTIZE
     reason: str = ""
+    key: Literal["content", "reasoning_content"] = "content"
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.key != "content" and self.replacement is None:
+            raise ValueError(f"an edit of {self.key} needs a replacement text")
         if self.span is not None:
             if self.replacement is None:
                 raise ValueError("a span edit needs a replacement text (None drops whole messages)")
