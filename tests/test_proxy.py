@@ -373,6 +373,32 @@ def test_tools_reach_the_backend(splice_proxy: str, turns: list[list[dict[str, A
 
 
 @pytest.mark.sglang
+def test_every_other_route_is_forwarded_to_the_backend(
+    leyline_server: str, splice_proxy: str
+) -> None:
+    """``GET /v1/models/{id}``, ``POST /v1/completions`` (in the tenant's shared namespace: a
+    repeated prompt is a hit) and a route the proxy does not know answer as the backend does,
+    through the real ``openai`` client (before: the proxy's bare 404 on all three)."""
+    client = openai_client(splice_proxy)
+    served = client.models.list().data[0].id
+    assert client.models.retrieve(served).id == served
+    prompt = f"{SYSTEM} Forwarded completions {uuid.uuid4().hex}."
+    first = client.completions.create(model=served, prompt=prompt, max_tokens=1, temperature=0)
+    again = client.completions.create(model=served, prompt=prompt, max_tokens=1, temperature=0)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 10
+    details = again.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == again.usage.prompt_tokens - 1
+    # the same prompt in the backend's default namespace is not the proxy's entry: a cold prefill
+    direct = httpx.post(leyline_server + "/v1/completions", timeout=60,
+                        json={"model": served, "prompt": prompt, "max_tokens": 1})  # fmt: skip
+    assert direct.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for path in ("/v1/no-such-route", "/v1/models/no-such-model"):
+        mine, theirs = httpx.get(splice_proxy + path), httpx.get(leyline_server + path)
+        assert (mine.status_code, mine.content) == (theirs.status_code, theirs.content), path
+
+
+@pytest.mark.sglang
 def test_fallback_after_the_backend_lost_the_entry(
     splice_proxy: str, leyline_server: str, turns: list[list[dict[str, Any]]]
 ) -> None:

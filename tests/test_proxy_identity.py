@@ -351,6 +351,8 @@ def test_wrong_and_missing_keys_get_401_and_change_nothing() -> None:
             for method, path in [
                 ("POST", "/v1/chat/completions"),
                 ("GET", "/v1/models"),
+                ("GET", "/v1/models/m"),  # forwarded routes too
+                ("POST", "/v1/completions"),
                 ("GET", "/leyline/sessions"),
                 ("GET", "/leyline/sessions/s1"),
                 ("GET", "/metrics"),

@@ -1,7 +1,7 @@
 """The OpenAI-compatible proxy: ``create_app(backend_url, policy)`` returns the FastAPI app.
 
-``POST /v1/chat/completions`` runs one turn of a session (``chat.py``): ``SessionCore``, the same
-code path as ``LeylineSession`` and ``leyline replay``. The answer is the backend's, with
+``POST /v1/chat/completions`` runs one turn of a session (``chat.py`` over ``chat_turn.py``, the
+same turn core as ``LeylineSession``; ``SessionCore`` under both and ``leyline replay``). The answer is the backend's, with
 ``usage.prompt_tokens_details.cached_tokens`` always present and an ``X-Leyline-Session`` header
 naming the session. Streaming asks the backend for the usage chunk and drops it again when the
 client did not ask for it (``relay.py``); other chunks pass through unchanged.
@@ -22,16 +22,20 @@ namespace, fails over to the next one up when its own is down, and ``/health`` o
 is polled each ``health_interval`` seconds.
 
 Sharing (``share_exact``, default on): a session's requests use its tenant's shared namespace
-until its first splice, then its own (``session.py``). Pins and forks: ``retention.py``.
+until its first splice, then its own (``placement.py``). Pins and forks: ``retention.py``.
 
 Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
 ``GET /leyline/sessions/{id}``, ``DELETE /leyline/sessions/{id}`` (end a session: its pins are
-released; 409 while a turn is in flight), ``GET /metrics`` (Prometheus text), ``GET /health``.
+released; 409 while a turn is in flight), ``GET /metrics`` (Prometheus text), ``GET /health``;
+every other route is forwarded to the backend as is (``LeylineProxy.forward``: completions in the
+tenant's shared namespace, ``/v1/models/{id}``, ...), so the backend's own 404 answers what it
+does not serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -39,9 +43,11 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.placement import shared_namespace
 from leyline_agent.policies import Policy, parse_policy
 from leyline_agent.proxy import metrics
 from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
@@ -175,6 +181,38 @@ class LeylineProxy:
         self.registry.remove(s)
         return JSONResponse({"id": s.id, "ended": True})
 
+    async def forward(self, request: Request, path: str) -> Response:
+        """Any other route the backend serves (``/v1/completions``, ``/v1/models/{id}``, ...):
+        sent to the first backend up as is, with the backend's key, the answer streamed back
+        unchanged. ``POST /v1/completions`` goes in the caller's tenant's shared namespace
+        (exact KV, as a chat session's before its first splice): a repeated prompt is a hit,
+        never one of another tenant's. No policy runs (there are no messages)."""
+        backend = next(iter(self.pool.up()), self.pool.first)
+        content = await request.body()
+        if path == "v1/completions" and request.method == "POST":
+            try:
+                body = json.loads(content or b"null")
+            except ValueError:
+                return error_response(400, "the request body is not JSON", "invalid_request_error")
+            if isinstance(body, dict):
+                body["extra_key"] = shared_namespace(tenant_of(request))
+                content = json.dumps(body).encode()
+        keep = ("content-type", "accept")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in keep}
+        url = httpx.URL(path="/" + path, query=request.url.query.encode())
+        req = backend.http.build_request(request.method, url, content=content, headers=headers)
+        try:
+            upstream = await backend.http.send(req, stream=True)
+        except httpx.HTTPError as e:
+            backend.count(error=True)
+            return unreachable(backend.url, e)
+        backend.count(error=upstream.status_code >= 500)
+        media = upstream.headers.get("content-type", "application/json")
+        return StreamingResponse(
+            upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
+            background=BackgroundTask(upstream.aclose),
+        )  # fmt: skip
+
     def metrics(self, request: Request) -> Response:
         text = metrics.render(self.registry, self.parity, tenant=tenant_of(request))
         text += metrics.render_backends(self.pool, self.registry.sessions())
@@ -255,4 +293,7 @@ def create_app(
     app.add_api_route(SESSIONS_ROUTE + "{session_id:path}", proxy.end_session, methods=["DELETE"])
     app.add_api_route("/metrics", proxy.metrics, methods=["GET"])
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+    # NOTE: last: every route the proxy does not handle itself goes to the backend as is
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    app.add_api_route("/{path:path}", proxy.forward, methods=methods)
     return app
