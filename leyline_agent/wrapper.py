@@ -13,7 +13,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from leyline_agent.chat.locality import common_messages
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.chat.render import Renderer
 from leyline_agent.chat.render_cache import IncrementalRenderer
@@ -176,10 +175,15 @@ class ConversationWrapper:
         if sent != incoming:
             rendered = render(sent, tools)
         last = self._last
-        # NOTE: keys of the unchanged leading messages are the last plan's (equal messages,
-        # the same test the incremental renderer reuses text by); only the rest is serialised.
-        same = common_messages(last.messages, sent) if last is not None and last.keys else 0
-        keys = [*(last.keys[:same] if last is not None else []), *map(message_key, sent[same:])]
+        # NOTE: keys of messages equal to the last plan's at the same index are its keys (the
+        # same test the incremental renderer reuses text by); only the others are serialised
+        # (a first message rewritten every turn leaves the rest unchanged).
+        lk = last.keys if last is not None else []
+        lm = last.messages if last is not None and lk else []
+        keys = [
+            lk[j] if j < len(lm) and (lm[j] is m or lm[j] == m) else message_key(m)
+            for j, m in enumerate(sent)
+        ]
         if last is not None and self.tokens[: len(last.tokens)] == last.tokens:
             kept = set(edited.sources)
             new_modes = [edited.modes.get(i) for i in edited.sources]

@@ -1,14 +1,18 @@
 """The proxy's own cost per turn: ``ConversationWrapper.plan`` with full vs incremental rendering.
 
-Per appended turn, the time to plan it (policy, render of the incoming and the edited list,
-diff, verification) against the history length, with ``stale_tool_outputs:keep_last=2``
-(``--policy``), on
+Per turn, the time to plan it (policy, render of the incoming and the edited list, diff,
+verification) against the history length, with ``stale_tool_outputs:keep_last=2`` (``--policy``;
+several: comma-separated), on
 
 - the longest shared trace (``<shared>/traces``: most tokens in its last turn), every turn;
-- a synthetic tool-calling conversation grown until it holds ``--target`` tokens, sampled at a
-  few lengths and at its last five turns.
+- per ``--sizes`` (default 8000, 32000, 52000 tokens), two synthetic tool-calling conversations
+  grown until they hold that many tokens, sampled at their last five turns (plus a few earlier):
+  ``append``, where turns only append (one assistant tool call + its output), and ``head``,
+  debug-gym's froggy shape, where the first message (the task plus a test report, about 2.9
+  characters per target token: 150k characters at 52k) also changes by a few characters near
+  its end every turn (the report's ``Date:`` line).
 
-    .venv/bin/python experiments/agent/bench_planning.py [--target 32000] [--repeats 5]
+    .venv/bin/python experiments/agent/bench_planning.py [--sizes 8000,32000,52000] [--repeats 5]
 
 Columns: the incoming conversation's tokens (``conv tok``), the previous prompt the server holds
 (``history``, after the policy's stubs) and this turn's prompt. Times are the best of
@@ -32,8 +36,10 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from leyline_agent.chat.head import head_local
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.chat.render import Renderer
+from leyline_agent.chat.retokenize import line_cuts
 from leyline_agent.traces import Trace, load
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 
@@ -90,6 +96,51 @@ def synthetic_turns(renderer: Renderer, target: int, seed: int = 0) -> list[list
                 return turns
 
 
+def head_turns(renderer: Renderer, target: int, seed: int = 0) -> list[list[dict]]:
+    """Message lists of a froggy-style run: the first message (task + a test report of about
+    ``2.9 * target`` characters, whose ``Date:`` line near the end changes every turn) is sent
+    anew each turn, and one assistant tool call + its output is appended."""
+    rng = random.Random(seed)
+    words = "def return self value index path error test assert import file line".split()
+    report, n = [], 0
+    while n < 2.9 * target:
+        outcome = rng.choice(["PASSED", "PASSED", "FAILED", "ERROR"])
+        line = f"tests/test_m{len(report) % 97}.py::test_case_{len(report)} {outcome} " + " ".join(
+            rng.choice(words) for _ in range(rng.randint(2, 10))
+        )
+        report.append(line)
+        n += len(line) + 1
+
+    def first(t: int) -> dict:
+        lines = list(report)
+        lines.insert(
+            len(lines) - 20,
+            f"Date: Tue Dec  1 {t // 3600 % 24:02d}:{t // 60 % 60:02d}:{t % 60:02d} 2026",
+        )
+        text = "You are froggy, a debugging agent. Task: fix the failing tests.\n\n"
+        return {"role": "system", "content": text + "\n".join(lines)}
+
+    msgs: list[dict] = [first(0), {"role": "user", "content": "The test suite fails; fix it."}]
+    turns, i = [], 0
+    while True:
+        call = {"id": f"call_{i}", "type": "function", "function": {"name": "bash"}}
+        call["function"]["arguments"] = json.dumps({"cmd": f"sed -n {i},{i + 40}p src/m{i}.py"})
+        lines = [
+            f"{j:4d}  " + " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+            for j in range(rng.randint(5, 30))
+        ]
+        msgs = [
+            first(i + 1),
+            *msgs[1:],
+            {"role": "assistant", "content": f"Step {i}: look at m{i}.py.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "\n".join(lines)},
+        ]
+        turns.append(msgs)
+        i += 1
+        if i % 5 == 0 and len(renderer.encode(renderer.render_text(msgs, TOOLS))) > target:
+            return turns
+
+
 def best_of(fn: Callable[[], TurnPlan], before: Callable[[], None], repeats: int) -> tuple:
     times, plan = [], None
     for _ in range(repeats):
@@ -127,10 +178,15 @@ def time_turns(
             full_plan = None
             plan = inc.plan(messages, tools)
         else:
-            states = inc.incremental._states  # NOTE: restored so that every repeat does the work
+            # NOTE: the remembered renders and encoded pieces are restored so that every repeat
+            # does the work (a repeat would otherwise find this turn's pieces already encoded).
+            saved = (inc.incremental._states, dict(inc.incremental._pieces))
+            chars = inc.incremental._piece_chars
 
-            def restore(states: list = states) -> None:
-                inc.incremental._states = list(states)
+            def restore(saved: tuple = saved, chars: int = chars) -> None:
+                inc.incremental._states = list(saved[0])
+                inc.incremental._pieces = dict(saved[1])
+                inc.incremental._piece_chars = chars
 
             inc_ms, plan = best_of(partial(inc.plan, messages, tools), restore, repeats)
             full_ms, full_plan = best_of(
@@ -181,51 +237,71 @@ def commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=int, default=32000, help="synthetic history tokens")
+    ap.add_argument("--sizes", default="8000,32000,52000", help="synthetic history tokens")
+    ap.add_argument("--shapes", default="append,head", help="synthetic shapes")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--policy", default=POLICY, help="policy spec")
+    ap.add_argument("--policy", default=POLICY, help="policy spec(s), comma-separated")
     ap.add_argument("--trace", type=Path, default=None, help="a trace file (default: longest)")
+    ap.add_argument("--no-trace", action="store_true", help="skip the shared trace")
     args = ap.parse_args()
 
     renderer = load_renderer()
     _ = renderer.incremental_checks  # one-time checks, not per turn
+    _ = head_local(renderer), line_cuts(renderer.tokenizer)
+    policies = [p for p in args.policy.split(";" if ";" in args.policy else ",") if p]
     out: dict = {
-        "policy": args.policy,
+        "policies": policies,
         "machine": platform.machine(),
         "python": sys.version.split()[0],
     }
     out["commit"] = commit()
 
-    path = args.trace or shared_traces()
+    path = None if args.no_trace else args.trace or shared_traces()
     if path is not None:
         trace = longest_trace(renderer, path) if path.is_dir() else load(path)[0]
         rows = time_turns(
-            args.policy, renderer, trace.turns, trace.tools, set(range(len(trace.turns))), 3
+            policies[0], renderer, trace.turns, trace.tools, set(range(len(trace.turns))), 3
         )
         table(f"trace {trace.name} ({trace.source}), every turn", rows)
         out["trace"] = {"name": trace.name, "turns": rows}
 
-    turns = synthetic_turns(renderer, args.target)
-    n = len(turns)
-    sample = {n * k // 8 - 1 for k in (1, 2, 4)} | set(range(n - 5, n))
-    rows = time_turns(args.policy, renderer, turns, TOOLS, sample, args.repeats)
-    table(f"synthetic, grown to {args.target} tokens of history", rows)
-    last = rows[-5:]
-    out["synthetic"] = {
-        "turns": rows,
-        "at_target": {
-            "conversation_tokens": last[-1]["conversation_tokens"],
-            "history_tokens": last[-1]["history_tokens"],
-            "full_ms_median": statistics.median(r["full_ms"] for r in last),
-            "incremental_ms_median": statistics.median(r["incremental_ms"] for r in last),
-        },
-    }
-    at = out["synthetic"]["at_target"]
+    makers = {"append": synthetic_turns, "head": head_turns}
+    summary = []
+    for size in [int(x) for x in args.sizes.split(",")]:
+        for shape in args.shapes.split(","):
+            turns = makers[shape](renderer, size)
+            n = len(turns)
+            sample = {n // 4, n // 2} | set(range(n - 5, n))
+            for policy in policies:
+                rows = time_turns(policy, renderer, turns, TOOLS, sample, args.repeats)
+                table(f"{shape}, grown to {size} tokens, policy {policy}", rows)
+                last = rows[-5:]
+                summary.append(
+                    {
+                        "shape": shape,
+                        "size": size,
+                        "policy": policy,
+                        "first_message_chars": len(turns[-1][0]["content"]),
+                        "conversation_tokens": last[-1]["conversation_tokens"],
+                        "full_ms_median": statistics.median(r["full_ms"] for r in last),
+                        "incremental_ms_median": statistics.median(
+                            r["incremental_ms"] for r in last
+                        ),
+                        "turns": rows,
+                    }
+                )
     print(
-        f"\nconversation of {at['conversation_tokens']} tokens "
-        f"({at['history_tokens']} in the edited prompt): full {at['full_ms_median']:.1f} ms, "
-        f"incremental {at['incremental_ms_median']:.2f} ms per appended turn (median of 5)"
+        f"\n{'shape':>6} {'size':>6} {'policy':>32} {'conv tok':>8} {'msg0 chars':>10} "
+        f"{'full ms':>8} {'incr ms':>8}"
     )
+    for r in summary:
+        print(
+            f"{r['shape']:>6} {r['size']:>6} {r['policy']:>32} {r['conversation_tokens']:>8} "
+            f"{r['first_message_chars']:>10} {r['full_ms_median']:>8.1f} "
+            f"{r['incremental_ms_median']:>8.2f}"
+        )
+    print("(medians of the last five turns; best of --repeats per turn)")
+    out["synthetic"] = summary
     print(json.dumps(out))
 
 
