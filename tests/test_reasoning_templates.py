@@ -110,7 +110,7 @@ def test_spans_hold_their_message(family: str) -> None:
             assert c["id"] in text or c["function"]["arguments"].split('"')[3] in text, (c, text)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     family=st.sampled_from(FAMILIES),
     episodes=st.lists(st.lists(st.integers(0, 2), max_size=3), min_size=1, max_size=3),

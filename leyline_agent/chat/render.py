@@ -23,12 +23,10 @@ from tokenizers import Tokenizer
 from leyline_agent.chat.locality import cut_token_ids, is_local
 from leyline_agent.chat.sglang import sglang_messages, sglang_tools
 from leyline_agent.chat.spans import (
-    Found,
     Message,
     Rendered,
     clamp_to_contents,
     common_prefix_len,
-    content_positions,
     resync,
     token_spans,
 )
@@ -180,7 +178,6 @@ class Renderer:
                 extra = sglang_messages(extra)
             return self._try_render([*norm[:k], *extra], norm_tools, True, template_kwargs)
 
-        found: list[Found | None] | None = None
         # ``anchor``: a prefix rendering's start that ends at bounds[k - 1] in the full text.
         anchor: str | None = None
         for k in range(n + 1):
@@ -195,11 +192,8 @@ class Renderer:
                 # The rendering stops agreeing inside an earlier message (a template renders it
                 # differently once later messages follow: think blocks dropped after a new user
                 # query) or at a closing rendered only after the last message. The piece after
-                # the anchor is found after the previous boundary, before the next content.
-                if found is None:
-                    found = content_positions(messages, text)
-                hi = next((f.at for f in found[k:] if f is not None and f.at >= b), len(text))
-                got = resync(prefix[len(anchor) :], text, b, hi)
+                # the anchor is found again after the previous boundary.
+                got = resync(prefix[len(anchor) :], text, b, len(text))
                 if got is not None:
                     bounds[k] = got[0]
                     anchor = prefix[: len(anchor) + got[1]]

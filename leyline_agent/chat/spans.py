@@ -126,21 +126,21 @@ def common_suffix_len(a: str, a_end: int, b: str, b_end: int) -> int:
     return lo
 
 
-_KEY = 32  # characters of a rendering's end looked up in the full text
-_CANDIDATES = 64  # positions checked per look-up
+_KEY = 16  # characters of a piece's end looked up in the full text
+_SHORT_KEY = 4  # then these (what survives of the piece after a dropped block may be short)
+_CANDIDATES = 256  # positions checked per look-up
 _TRIMS = 3  # closing segments (``<...>`` or a line) a rendering may end with
-_SLACK = 16  # characters the full text may have where the rendering had more
+_SLACK = 0  # characters the full text may have where the rendering had more (none: deletions)
 
 
 def resync(piece: str, text: str, start: int, hi: int) -> tuple[int, int] | None:
     """Where ``piece``, a message rendered as the last one, ends in ``text`` (which has that
     message's rendering from ``start`` on, ending by ``hi``).
 
-    The full text may lack a middle part of the piece (a think block the template drops once
-    later messages follow; at most ``_SLACK`` characters of something else in its place): the end
-    is a position ``q`` with ``text[start:q]`` no longer than the piece and explained by the
-    piece's common prefix and suffix with it; of several, the one with the longest common suffix,
-    then the first. Where there is none, the piece's last segments (a closing rendered only
+    The full text may lack a middle part of the piece (a think block the template drops or
+    empties once later messages follow): the end is a position ``q`` with ``text[start:q]`` no
+    longer than the piece and made of the piece's common prefix and suffix with it; of several,
+    the one with the longest common suffix, then the first. Where there is none, the piece's last segments (a closing rendered only
     after the last message, such as ``<|im_end|>``; up to three) are dropped and the rest is
     looked up. Returns the end in ``text`` and the length of the piece it ends (None: not
     found).
@@ -151,23 +151,32 @@ def resync(piece: str, text: str, start: int, hi: int) -> tuple[int, int] | None
     for _ in range(_TRIMS + 1):
         if end <= 0:
             return None
-        m = min(end, _KEY)
-        key = piece[end - m : end]
-        best, best_suffix = None, -1
-        i = text.find(key, start, hi)
-        for _ in range(_CANDIDATES):
-            if i < 0 or i + m - start > end + _SLACK:
-                break
-            q = i + m
-            c1 = common_prefix_len(piece[:end], text[start:q])
-            c2 = min(common_suffix_len(piece, end, text, q), end)
-            if q - start <= min(c1 + c2, end) + _SLACK and c2 > best_suffix:
-                best, best_suffix = q, c2
-            i = text.find(key, i + 1, hi)
-        if best is not None:
-            return best, end
+        limit = min(hi, start + end + _SLACK)  # the segment is no longer than the piece
+        head = common_prefix_len(piece[:end], text[start:limit])
+        for m in dict.fromkeys((min(end, _KEY), min(end, _SHORT_KEY))):
+            q = _best_end(piece, end, text, start, limit, head, m)
+            if q is not None:
+                return q, end
         end = max(piece.rfind("\n", 0, end - 1) + 1, piece.rfind("<", 0, end - 1))
     return None
+
+
+def _best_end(
+    piece: str, end: int, text: str, start: int, limit: int, head: int, m: int
+) -> int | None:
+    """``resync``'s look-up of ``piece[:end]``'s last ``m`` characters (see there)."""
+    key = piece[end - m : end]
+    best, best_suffix = None, -1
+    i = text.find(key, start, limit)
+    for _ in range(_CANDIDATES):
+        if i < 0:
+            break
+        q = i + m
+        c2 = min(common_suffix_len(piece, end, text, q), end)
+        if q - start <= min(min(head, q - start) + c2, end) + _SLACK and c2 > best_suffix:
+            best, best_suffix = q, c2
+        i = text.find(key, i + 1, limit)
+    return best
 
 
 def token_spans(starts: Sequence[int], bounds: Sequence[int]) -> list[tuple[int, int]]:
