@@ -280,7 +280,9 @@ def test_no_splice_arm_reprefills_edits(
     args = ["--backend", leyline_server, "--policy", POLICY, "--no-splice", "--record", str(record)]
     with proxy_process(args) as proxy:
         usage = run_turns(openai_client(proxy), turns, user="agent-7")
-        detail = session_detail(proxy, "user:agent-7")
+        [summary] = httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]
+        assert summary["id"].startswith("user:agent-7:") and summary["user"] == "agent-7"
+        detail = session_detail(proxy, summary["id"])
     plans = expected_plans(POLICY, turns)
     _measure("no-splice", usage, plans, detail)
     for t, ((prompt, cached), plan, rec) in enumerate(
@@ -463,7 +465,8 @@ def test_registry_resolution_order() -> None:
     by_header = reg.resolve(m, header="h1", user="u")
     assert (by_header.id, by_header.source) == ("h1", "header")
     assert reg.resolve(m, header="h1") is by_header
-    assert reg.resolve(m, user="u").id == "user:u"
+    by_user = reg.resolve(m, user="u")  # a user is a scope: its conversation gets an id
+    assert by_user.id.startswith("user:u:") and by_user.source == "user"
     by_header.core.messages = m[:4]  # named sessions are never matched by prefix
     short, long_ = reg.resolve(m[:2]), reg.resolve(m[:3])
     assert short is not long_ and short.source == long_.source == "new"

@@ -50,6 +50,12 @@ TRICKY = [
     SessionKey("default", "header", "user:u1"),
     SessionKey("default", "user", "u1"),
     SessionKey("default", "header", "user%3Au1"),
+    SessionKey("default", "user", "u1", "c1"),
+    SessionKey("default", "user", "u1:c1"),
+    SessionKey("default", "header", "user:u1:c1"),
+    SessionKey("default", "cache_key", "k"),
+    SessionKey("default", "header", "cache_key:k"),
+    SessionKey("default", "user", "cache_key", "k"),
     SessionKey("default", "header", "anon:x"),
     SessionKey("default", "anon", "x"),
     SessionKey("a:b", "header", "c"),
@@ -78,6 +84,10 @@ def test_namespaces_ids_and_record_files_never_collide(tmp_path: Path) -> None:
     assert SessionKey("t", "user", "u1").public_id == "user:u1"
     assert SessionKey("t", "user", "u1").namespace == "leyline:t:user:u1"
     assert SessionKey("a:b", "header", "c").namespace == "leyline:a%3Ab:header:c"
+    assert SessionKey("t", "cache_key", "k:1").public_id == "cache_key:k%3A1"
+    assert SessionKey("t", "cache_key", "k:1").namespace == "leyline:t:cache_key:k%3A1"
+    assert SessionKey("t", "user", "u:1", "c").public_id == "user:u%3A1:c"
+    assert SessionKey("t", "user", "u:1", "c").namespace == "leyline:t:user:u%3A1:c"
     for k in TRICKY:
         stem = recorder.path(k).name.removesuffix(".jsonl")
         assert len(recorder.path(k).name) < 200 and "/" not in stem
@@ -86,22 +96,66 @@ def test_namespaces_ids_and_record_files_never_collide(tmp_path: Path) -> None:
             assert (unquote(tenant), unquote(public_id)) == (k.tenant, k.public_id)
 
 
-def test_header_user_and_anonymous_names_are_three_sessions() -> None:
+def test_header_cache_key_user_and_anonymous_names_are_four_sessions() -> None:
     reg = SessionRegistry(_core)
     m = [{"role": "user", "content": "hi"}]
     by_header = reg.resolve(m, header="user:u1")
+    by_key = reg.resolve(m, cache_key="user:u1")
     by_user = reg.resolve(m, user="u1")
-    assert by_header is not by_user
-    assert (by_header.id, by_user.id) == ("user%3Au1", "user:u1")
+    assert len({id(by_header), id(by_key), id(by_user)}) == 3
+    assert (by_header.id, by_key.id) == ("user%3Au1", "cache_key:user%3Au1")
+    assert (by_header.source, by_key.source, by_user.source) == ("header", "cache_key", "user")
+    # the user field is a scope: its conversation has a random id under the user's name
+    conversation = by_user.key.conversation
+    assert len(conversation) == 32 and by_user.id == f"user:u1:{conversation}"
     assert by_header.core.placement.own == "leyline:default:header:user%3Au1"
-    assert by_user.core.placement.own == "leyline:default:user:u1"
+    assert by_key.core.placement.own == "leyline:default:cache_key:user%3Au1"
+    assert by_user.core.placement.own == f"leyline:default:user:u1:{conversation}"
+    assert by_user.summary()["user"] == "u1" and by_header.summary()["user"] is None
     anon = reg.resolve(m)
     assert anon.id.startswith("anon:") and anon.core.placement.own.startswith(
         "leyline:default:anon:"
     )
     # the public id of the anonymous session, sent back as a header, names a header session
     assert reg.resolve(m, header=anon.id) is not anon
-    assert reg.get("user:u1") is by_user and reg.get("user%3Au1") is by_header
+    assert reg.get(by_user.id) is by_user and reg.get("user%3Au1") is by_header
+    assert reg.get("cache_key:user%3Au1") is by_key
+    # precedence: the header over prompt_cache_key over user
+    assert reg.resolve(m, header="user:u1", cache_key="user:u1", user="u1") is by_header
+    assert reg.resolve(m, cache_key="user:u1", user="u1") is by_key
+    assert reg.named(cache_key="user:u1", user="u1") is by_key
+    assert reg.named(user="u1") is None  # a user names no session
+
+
+def test_one_user_two_conversations_are_two_sessions() -> None:
+    """A chat front end (LibreChat) sends its user's id as ``user`` on every request: the user's
+    conversations are told apart by their history, within the user's scope only."""
+    reg = SessionRegistry(_core)
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    a = [system, {"role": "user", "content": "Plan a trip to Lisbon in May."}]
+    b = [system, {"role": "user", "content": "Explain the borrow checker in Rust."}]
+    sessions: dict[str, list[Any]] = {"a": [], "b": []}
+    for t in range(4):
+        for name, history in (("a", a), ("b", b)):
+            s = reg.resolve(history, user="u-42")
+            _commit(s, history)
+            sessions[name].append(s)
+            history += [
+                {"role": "assistant", "content": f"{name} answer {t}"},
+                {"role": "user", "content": f"{name} follow-up {t}"},
+            ]
+    sa, sb = sessions["a"][0], sessions["b"][0]
+    assert all(s is sa for s in sessions["a"]) and all(s is sb for s in sessions["b"])
+    assert sa is not sb and sa.scope == sb.scope == "u-42" and sa.source == sb.source == "user"
+    assert reg.created == 2
+    # another user's identical history, or an anonymous one, never continues u-42's sessions
+    other = reg.resolve(a, user="u-7")
+    anon = reg.resolve(a)
+    assert other not in (sa, sb) and anon not in (sa, sb, other)
+    assert other.scope == "u-7" and anon.scope is None
+    # a user's request with a session key names that session, not one of the user's history
+    keyed = reg.resolve(a, cache_key="conv-1", user="u-42")
+    assert keyed.key == ("default", "cache_key", "conv-1", "") and keyed.scope is None
 
 
 def test_record_lines_carry_session_and_tenant(tmp_path: Path) -> None:

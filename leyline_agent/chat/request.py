@@ -5,7 +5,8 @@ Mirrors sglang 0.5.23 ``serving_chat`` (``_validate_request``, ``_apply_jinja_te
 length checks, without importing SGLang:
 
 - ``request_error``: the message shapes the backend certainly refuses (400), so that the proxy can
-  refuse them before any splice;
+  refuse them before any splice, and text that is not Unicode (``text_error``: a lone surrogate,
+  which the backend's JSON parser refuses and no tokenizer can encode);
 - ``length_error``: a prompt (plus the completion budget) past the context length;
 - ``final_assistant``: a list that ends with an assistant message is rendered with that message
   as a *user* turn, or, with ``continue_final_message``, without it and with its text appended to
@@ -61,12 +62,55 @@ def _message_error(k: int, m: Any) -> str | None:
     return None
 
 
+def _unicode_error(value: Any, where: str) -> str | None:
+    """The path of the first string (key or value) in ``value`` that is not valid Unicode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{where} (character {e.start}: {value[e.start]!r})"
+        return None
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            error = _unicode_error(k, f"{where} (a key)") or _unicode_error(v, f"{where}.{k}")
+            if error is not None:
+                return error
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            error = _unicode_error(v, f"{where}[{i}]")
+            if error is not None:
+                return error
+    return None
+
+
+def text_error(body: Mapping[str, Any]) -> str | None:
+    """Why a request body's text is refused (None: every string in it is valid Unicode).
+
+    A lone surrogate (``"\\udcff"``: what JSON encoders write for bytes decoded with
+    ``errors="surrogateescape"``, e.g. a tool's binary output) cannot be encoded as UTF-8: the
+    backend's JSON parser refuses the body (400) and no tokenizer can encode it. Checked in every
+    string of the body: contents and content parts, names, tool-call arguments, tool schemas.
+    """
+    for k, v in body.items():
+        where = _unicode_error(v, str(k))
+        if where is None and isinstance(k, str):
+            where = _unicode_error(k, "the body (a key)")
+        if where is not None:
+            return (
+                f"the request holds text that is not valid Unicode (a lone surrogate) at "
+                f"{where}: send text as UTF-8; decode bytes with errors='replace', not "
+                "'surrogateescape'"
+            )
+    return None
+
+
 def request_error(body: Any) -> str | None:
     """Why the backend would refuse this chat-completions body with a 400 (None: it may not).
 
     Checks only what SGLang 0.5.23 refuses for every model: the body shape, each message's role,
-    content and tool calls (assistant tool-call ``arguments`` must be a JSON object), ``n``.
-    Template errors (a role the template does not render) come from rendering.
+    content and tool calls (assistant tool-call ``arguments`` must be a JSON object), ``n``, and
+    text that is not valid Unicode anywhere in the body (``text_error``). Template errors (a
+    role the template does not render) come from rendering.
     """
     if not isinstance(body, Mapping):
         return "the request body must be a JSON object"
@@ -80,7 +124,7 @@ def request_error(body: Any) -> str | None:
     n = body.get("n", 1)
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         return "'n' must be an integer >= 1"
-    return None
+    return text_error(body)
 
 
 def max_new_tokens(body: Mapping[str, Any]) -> int | None:

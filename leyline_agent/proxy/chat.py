@@ -44,7 +44,7 @@ from leyline_agent.directive import DirectiveError
 from leyline_agent.policies import PolicyError
 from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.backends import Backend
-from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER, public_ids
+from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER, public_ids, session_keys
 from leyline_agent.proxy.relay import StreamEnd, relay
 from leyline_agent.proxy.responses import backend_error, error_response, passthrough, unreachable
 from leyline_agent.proxy.sessions import ProxySession
@@ -131,20 +131,18 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     if refused is not None:
         return backend_error(400, refused)
     messages = body["messages"]
-    user = body.get("user")
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         return error_response(400, "'cache_salt' must be a string", "invalid_request_error")
     context_len = await proxy.context_len()
-    header = request.headers.get(SESSION_HEADER)
-    user = user if isinstance(user, str) and user else None
+    keys = session_keys(body, request.headers)._asdict()  # header > prompt_cache_key > user
     tenant = tenant_of(request)
     parent = None
     fork_from = request.headers.get(FORK_HEADER)
     if fork_from:
         tried = public_ids(fork_from)
         parent = proxy.registry.find(tried, tenant)
-        existing = proxy.registry.named(header=header, user=user, tenant=tenant)
+        existing = proxy.registry.named(**keys, tenant=tenant)
         if existing is not None and (existing.core.records or existing.forked_from):
             parent = None  # NOTE: read on a session's first request only
         elif parent is None:
@@ -159,7 +157,7 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
                 400, f"{FORK_HEADER}: a session cannot fork from itself", "invalid_request_error"
             )
     session = proxy.registry.resolve(
-        messages, header=header, user=user, tenant=tenant, cache_salt=salt,
+        messages, **keys, tenant=tenant, cache_salt=salt,
         fresh=parent is not None,
     )  # fmt: skip
     headers = {SESSION_HEADER: session.id}

@@ -1,6 +1,7 @@
-"""Who a proxy session is: ``SessionKey(tenant, kind, name)`` and its escaped names, and the form
-in which messages are compared when an anonymous request is matched to a session (see
-``sessions.py`` for the resolution order).
+"""Who a proxy session is: ``SessionKey(tenant, kind, name, conversation)`` and its escaped names,
+the keys a request names its session by (``session_keys``), and the form in which messages are
+compared when a request is matched to a session by its history (see ``sessions.py`` for the
+resolution order).
 
 The mapping is injective: every component is percent-escaped (``urllib.parse.quote`` with no safe
 characters, so the escaped text has no ``:``) before it is joined, so two different keys never
@@ -10,8 +11,12 @@ first splice a session's requests use the tenant's shared namespace ``leyline:<t
 instead (exact KV is shared within a tenant and salt, amortized KV never; ``placement.py``). The public id (the
 ``X-Leyline-Session`` answer header, ``/leyline/sessions/{id}``) is the escaped name for a header
 session (a plain name such as ``dg-1a2b-splice-config`` is unchanged) and ``user:<escaped>`` or
-``anon:<hex>`` otherwise, so a header ``user:u1`` (public id ``user%3Au1``) is not the ``user``
-field ``u1`` (``user:u1``). The same name in another tenant is another session.
+``<kind>:<escaped>`` otherwise (``cache_key:<escaped prompt_cache_key>``, ``anon:<hex>``), so a
+header ``cache_key:k`` (public id ``cache_key%3Ak``) is not the ``prompt_cache_key`` ``k``. The
+``user`` field names an end user, not a conversation: each of a user's conversations is the key
+``(tenant, "user", <user>, <hex>)``, public id ``user:<escaped user>:<hex>`` and namespace
+``leyline:<tenant>:user:<user>:<hex>`` (five parts). The same name in another tenant is another
+session.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from leyline_agent.placement import escape, namespace, shared_namespace
 
 SESSION_HEADER = "X-Leyline-Session"
 FORK_HEADER = "X-Leyline-Fork-From"  # a new session's first request: start from this session
-Kind = Literal["header", "user", "anon"]
+Kind = Literal["header", "cache_key", "user", "anon"]
 
 
 def public_ids(ref: str) -> list[str]:
@@ -40,22 +45,50 @@ class SessionKey(NamedTuple):
     tenant: str
     kind: Kind
     name: str
+    conversation: str = ""  # kind ``user``: which of the user's conversations (a random hex)
 
     @property
     def public_id(self) -> str:
         name = escape(self.name)
+        if self.conversation:
+            name = f"{name}:{escape(self.conversation)}"
         return name if self.kind == "header" else f"{self.kind}:{name}"
 
     @property
     def namespace(self) -> str:
         """The backend's ``extra_key`` of the session (its own, private one)."""
-        return namespace(escape(self.tenant), self.kind, escape(self.name))
+        parts = [escape(self.name)] + ([escape(self.conversation)] if self.conversation else [])
+        return namespace(escape(self.tenant), self.kind, *parts)
 
     @property
     def shared_namespace(self) -> str:
         """The tenant's namespace of exact KV, which the session uses until its first splice
         (``SessionCore``); three parts, so no session's own namespace (four) is it."""
         return shared_namespace(self.tenant)
+
+
+class SessionKeys(NamedTuple):
+    """What a request names its session by, each None when absent (``sessions.py``: the header,
+    then ``prompt_cache_key``, then the ``user`` scope, then the history)."""
+
+    header: str | None = None  # X-Leyline-Session
+    cache_key: str | None = None  # the body's prompt_cache_key (Chat Completions, Responses)
+    user: str | None = None  # the body's user: an end user, a scope of conversations
+
+
+def session_keys(body: Mapping[str, Any], headers: Mapping[str, str]) -> SessionKeys:
+    """The session keys of a request: its ``X-Leyline-Session`` header (``headers`` as the
+    request's, case-insensitive), and the body's ``prompt_cache_key`` and ``user``; a value that
+    is not a non-empty string counts as absent (SGLang ignores both fields)."""
+
+    def text(value: Any) -> str | None:
+        return value if isinstance(value, str) and value else None
+
+    return SessionKeys(
+        text(headers.get(SESSION_HEADER)),
+        text(body.get("prompt_cache_key")),
+        text(body.get("user")),
+    )
 
 
 def match_form(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,9 +20,13 @@ def error_response(
 def backend_error(
     status: int, message: str, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """An error body in SGLang's own format (what the backend would have answered)."""
+    """An error body in SGLang's own format (what the backend would have answered), with the
+    same message in OpenAI's ``error`` object too (what OpenAI clients read)."""
     body = {"object": "error", "message": message, "type": "BadRequest", "param": None}
-    return JSONResponse({**body, "code": status}, status_code=status, headers=dict(headers or {}))
+    openai = {"message": message, "type": "invalid_request_error", "param": None, "code": status}
+    return JSONResponse(
+        {**body, "code": status, "error": openai}, status_code=status, headers=dict(headers or {})
+    )
 
 
 def passthrough(r: httpx.Response, headers: Mapping[str, str] | None = None) -> Response:

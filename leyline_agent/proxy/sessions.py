@@ -1,16 +1,21 @@
 """The proxy's sessions: which conversation a chat-completions request continues.
 
-A session's identity is ``SessionKey(tenant, kind, name)`` (``identity.py``); the tenant is the
-caller's (see ``auth.py``; ``default`` without keys). Resolution, in order:
+A session's identity is ``SessionKey(tenant, kind, name, conversation)`` (``identity.py``); the
+tenant is the caller's (see ``auth.py``; ``default`` without keys). A request's keys are
+``identity.session_keys(body, headers)``. Resolution, in order:
 
 1. the ``X-Leyline-Session`` header: kind ``header``, the name is the header's value;
-2. the OpenAI ``user`` field: kind ``user``, the name is its value;
-3. the live anonymous session of the same tenant and ``cache_salt`` whose committed message list
-   (what its last finished turn received) shares the longest prefix with the incoming one (see
-   ``SessionRegistry._match``);
-4. otherwise a new anonymous session (kind ``anon``, a random name).
+2. the body's ``prompt_cache_key``: kind ``cache_key``, the name is its value;
+3. otherwise the conversation is told apart by its history: the live session of the same tenant,
+   ``cache_salt`` and scope whose committed message list (what its last finished turn received)
+   shares the longest prefix with the incoming one (``matching.best_match``); the scope is the
+   body's ``user`` (an end user: each of the user's conversations is a session of kind ``user``
+   named by the user and a random conversation id) or, without one, anonymous;
+4. otherwise a new session in that scope (kind ``user``, or ``anon`` with a random name).
 
-Named sessions (1, 2) are never matched by prefix, so an anonymous agent cannot continue them.
+``user`` never merges two conversations: a chat front end that sends its user's id on every
+request (LibreChat) gets one session per conversation, not one per user. Named sessions (1, 2)
+are never matched by history, and a user's conversations are matched only within that user.
 Every session owns a :class:`SessionCore` and an ``asyncio.Lock``: the turns of one session run
 one at a time (``begin`` → request → ``finish``), different sessions concurrently. The
 registry's own table is guarded by a ``threading.Lock``. Past ``max_sessions`` the least recently
@@ -18,7 +23,7 @@ used idle session is dropped (as is one ended by ``remove``, ``DELETE /leyline/s
 its totals are kept in ``SessionRegistry.retired`` (and per tenant) so that totals never go down,
 and ``on_drop`` is called with it (the proxy releases its pins).
 
-A request forking a new session (``fresh``) is never matched to an anonymous one.
+A request forking a new session (``fresh``) is never matched to an existing one.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ from typing import Any, Literal, NamedTuple
 
 from leyline_agent.accounting import Totals
 from leyline_agent.proxy.auth import DEFAULT_TENANT
-from leyline_agent.proxy.identity import SessionKey, match_form, size
+from leyline_agent.proxy.identity import SessionKey, SessionKeys, match_form, size
 from leyline_agent.proxy.matching import MIN_SHARED, best_match
 from leyline_agent.session import SessionCore
 
-Source = Literal["header", "user", "prefix", "new"]
+# how a session was found: its named key's kind; ``user``: a conversation in a user's scope;
+# ``new``/``prefix``: anonymous, created / continued since by its history
+Source = Literal["header", "cache_key", "user", "prefix", "new"]
 
 
 class PinError(NamedTuple):
@@ -82,7 +89,13 @@ class ProxySession:
 
     @property
     def named(self) -> bool:
-        return self.key.kind != "anon"
+        """Named by a key (header, ``prompt_cache_key``): never matched by its history."""
+        return self.key.kind in ("header", "cache_key")
+
+    @property
+    def scope(self) -> str | None:
+        """The ``user`` whose conversation this is (None: none; named or anonymous)."""
+        return self.key.name if self.key.kind == "user" else None
 
     def committed_form(self) -> tuple[list[dict[str, Any]], list[int]]:
         """The committed messages' match forms and their cumulative sizes (characters of
@@ -109,6 +122,7 @@ class ProxySession:
             "pin_error": self.pin_error._asdict() if self.pin_error else None,
             "backend": self.backend,
             "source": self.source,
+            "user": self.scope,
             "splice": self.core.splice_enabled,
             "created": self.created,
             "in_flight": self.lock.locked(),
@@ -169,6 +183,7 @@ class SessionRegistry:
         messages: Sequence[Mapping[str, Any]],
         *,
         header: str | None = None,
+        cache_key: str | None = None,
         user: str | None = None,
         tenant: str = DEFAULT_TENANT,
         cache_salt: str | None = None,
@@ -176,18 +191,23 @@ class SessionRegistry:
     ) -> ProxySession:
         """The session a request belongs to (created if needed); see the module docstring.
 
-        ``cache_salt`` is the salt a new session starts with and the one an anonymous match
-        requires; a named session's salt is set by its turn (``SessionCore.set_cache_salt``).
-        ``fresh``: an unnamed request starts a new session (a fork), never matched.
+        ``header``, ``cache_key``, ``user``: the request's ``SessionKeys`` (pass
+        ``**session_keys(body, headers)._asdict()``). ``cache_salt`` is the salt a new session
+        starts with and the one a match by history requires; a named session's salt is set by
+        its turn (``SessionCore.set_cache_salt``). ``fresh``: a request without a session key
+        starts a new session (a fork) in its scope, never matched.
         """
         cache_salt = cache_salt or None
         with self._lock:
-            if header or user:
-                kind: Literal["header", "user"] = "header" if header else "user"
-                key = SessionKey(tenant, kind, header or user or "")
-                session = self._sessions.get(key) or self._add(key, kind, cache_salt)
+            key = self._named_key(SessionKeys(header, cache_key, user), tenant)
+            if key is not None:
+                source: Source = "header" if key.kind == "header" else "cache_key"
+                session = self._sessions.get(key) or self._add(key, source, cache_salt)
             else:
-                found = None if fresh else self._match(messages, tenant, cache_salt)
+                found = None if fresh else self._match(messages, tenant, cache_salt, user)
+                if found is None and user:
+                    new = SessionKey(tenant, "user", user, uuid.uuid4().hex)
+                    found = self._add(new, "user", cache_salt)
                 session = found or self._add(
                     SessionKey(tenant, "anon", uuid.uuid4().hex), "new", cache_salt
                 )
@@ -196,13 +216,28 @@ class SessionRegistry:
         self._notify(dropped)
         return session
 
+    @staticmethod
+    def _named_key(keys: SessionKeys, tenant: str) -> SessionKey | None:
+        """The key a request names its session by (the header, else ``prompt_cache_key``)."""
+        if keys.header:
+            return SessionKey(tenant, "header", keys.header)
+        if keys.cache_key:
+            return SessionKey(tenant, "cache_key", keys.cache_key)
+        return None
+
     def named(
-        self, *, header: str | None = None, user: str | None = None, tenant: str = DEFAULT_TENANT
+        self,
+        *,
+        header: str | None = None,
+        cache_key: str | None = None,
+        user: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> ProxySession | None:
-        """The live named session a request with ``header``/``user`` resolves to, if any."""
-        if not (header or user):
+        """The live session a request's session key (header, ``prompt_cache_key``) names, if
+        any; ``user`` alone names no session (it is a scope)."""
+        key = self._named_key(SessionKeys(header, cache_key, user), tenant)
+        if key is None:
             return None
-        key = SessionKey(tenant, "header" if header else "user", header or user or "")
         with self._lock:
             return self._sessions.get(key)
 
@@ -226,14 +261,18 @@ class SessionRegistry:
                 self._on_drop(old)
 
     def _match(
-        self, messages: Sequence[Mapping[str, Any]], tenant: str, cache_salt: str | None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str,
+        cache_salt: str | None,
+        user: str | None,
     ) -> ProxySession | None:
-        """The anonymous session an unnamed request continues, if any (``matching.best_match``
-        over the tenant's idle anonymous sessions with this salt)."""
+        """The session an unnamed request continues, if any (``matching.best_match`` over the
+        tenant's idle sessions of this scope, ``user`` or anonymous, with this salt)."""
         candidates = [
             s for s in self._sessions.values()
-            if not s.named and s.tenant == tenant and s.core.placement.salt == cache_salt
-            and not s.lock.locked()
+            if not s.named and s.scope == user and s.tenant == tenant
+            and s.core.placement.salt == cache_salt and not s.lock.locked()
         ]  # fmt: skip
         session = best_match(candidates, messages, self._min_shared)
         if session is not None and session.source == "new":
