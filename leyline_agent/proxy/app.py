@@ -24,7 +24,8 @@ is polled each ``health_interval`` seconds.
 Sharing (``share_exact``, default on): a session's requests use its tenant's shared namespace
 until its first splice, then its own (``placement.py``). Pins and forks: ``retention.py``.
 
-Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
+``POST /v1/responses`` and ``GET``/``DELETE /v1/responses/{id}``: the Responses API over the same
+turn (``openai_responses.py``). Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
 ``GET /leyline/sessions/{id}``, ``DELETE /leyline/sessions/{id}`` (end a session: its pins are
 released; 409 while a turn is in flight), ``GET /metrics`` (Prometheus text), ``GET /health``;
 every other route is forwarded to the backend as is (``LeylineProxy.forward``: completions in the
@@ -35,7 +36,6 @@ does not serve.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -43,17 +43,18 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse
 
 from leyline_agent.chat.model_dir import load_renderer
-from leyline_agent.placement import shared_namespace
 from leyline_agent.policies import Policy, parse_policy
 from leyline_agent.proxy import metrics
 from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
 from leyline_agent.proxy.backends import DEFAULT_HEALTH_INTERVAL, BackendPool
 from leyline_agent.proxy.chat import chat_completions
+from leyline_agent.proxy.forward import forward
 from leyline_agent.proxy.identity import SessionKey, public_ids
+from leyline_agent.proxy.openai_responses import add_routes as add_response_routes
+from leyline_agent.proxy.response_store import ResponseStore
 from leyline_agent.proxy.responses import error_response, passthrough, unreachable
 from leyline_agent.proxy.retention import Retention
 from leyline_agent.proxy.sessions import ProxySession, SessionRegistry
@@ -105,6 +106,7 @@ class LeylineProxy:
         )
         self.recorder = TraceRecorder(record_dir) if record_dir is not None else None
         self.parity = metrics.ParityCounters()
+        self.responses = ResponseStore()  # stored Responses-API responses (openai_responses.py)
         self._context_len: int | None = None
 
     async def context_len(self) -> int | None:
@@ -182,36 +184,8 @@ class LeylineProxy:
         return JSONResponse({"id": s.id, "ended": True})
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Any other route the backend serves (``/v1/completions``, ``/v1/models/{id}``, ...):
-        sent to the first backend up as is, with the backend's key, the answer streamed back
-        unchanged. ``POST /v1/completions`` goes in the caller's tenant's shared namespace
-        (exact KV, as a chat session's before its first splice): a repeated prompt is a hit,
-        never one of another tenant's. No policy runs (there are no messages)."""
-        backend = next(iter(self.pool.up()), self.pool.first)
-        content = await request.body()
-        if path == "v1/completions" and request.method == "POST":
-            try:
-                body = json.loads(content or b"null")
-            except ValueError:
-                return error_response(400, "the request body is not JSON", "invalid_request_error")
-            if isinstance(body, dict):
-                body["extra_key"] = shared_namespace(tenant_of(request))
-                content = json.dumps(body).encode()
-        keep = ("content-type", "accept")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in keep}
-        url = httpx.URL(path="/" + path, query=request.url.query.encode())
-        req = backend.http.build_request(request.method, url, content=content, headers=headers)
-        try:
-            upstream = await backend.http.send(req, stream=True)
-        except httpx.HTTPError as e:
-            backend.count(error=True)
-            return unreachable(backend.url, e)
-        backend.count(error=upstream.status_code >= 500)
-        media = upstream.headers.get("content-type", "application/json")
-        return StreamingResponse(
-            upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
-            background=BackgroundTask(upstream.aclose),
-        )  # fmt: skip
+        """Any route the proxy does not handle itself (``forward.py``)."""
+        return await forward(self.pool, request, path)
 
     def metrics(self, request: Request) -> Response:
         text = metrics.render(self.registry, self.parity, tenant=tenant_of(request))
@@ -293,6 +267,7 @@ def create_app(
     app.add_api_route(SESSIONS_ROUTE + "{session_id:path}", proxy.end_session, methods=["DELETE"])
     app.add_api_route("/metrics", proxy.metrics, methods=["GET"])
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+    add_response_routes(app, proxy)
     # NOTE: last: every route the proxy does not handle itself goes to the backend as is
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     app.add_api_route("/{path:path}", proxy.forward, methods=methods)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -119,21 +120,54 @@ class ProxyTurn:
                 self.session.lock.release()
 
 
+class ChatView:
+    """The response view of ``POST /v1/chat/completions``: the backend's answers as they are.
+    Another front door (``openai_responses.py``) answers in its own format through the same
+    ``serve_turn`` by giving its own view with these five methods."""
+
+    def error(self, status: int, message: str, kind: str, headers: Mapping[str, str]) -> Response:
+        """The proxy's own refusal (bad session reference, a policy that cannot apply)."""
+        return error_response(status, message, kind, headers)
+
+    def refused(self, message: str, headers: Mapping[str, str]) -> Response:
+        """What the backend would have answered (400), found before any splice."""
+        return backend_error(400, message, headers)
+
+    def backend_failed(self, r: httpx.Response, headers: Mapping[str, str]) -> Response:
+        """The backend's error answer (read)."""
+        return passthrough(r, headers)
+
+    def answer(self, data: dict[str, Any], turn: ChatTurn, headers: Mapping[str, str]) -> Response:
+        return JSONResponse(data, headers=dict(headers))
+
+    def stream(
+        self, lines: AsyncIterator[str], turn: ChatTurn, headers: Mapping[str, str]
+    ) -> Response:
+        """The relayed chat SSE lines (``relay.py``)."""
+        return StreamingResponse(lines, media_type="text/event-stream", headers=dict(headers))
+
+
 async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
-    """One turn (see the module docstring); errors as ``app.py`` describes. The turn goes to the
-    session's backend (``BackendPool.route``); one that cannot be connected to is marked down and
-    the turn is planned again on the session's next backend (failover), until none is up."""
+    """``POST /v1/chat/completions``: the body, then ``serve_turn`` with the chat view."""
     try:
         body = await request.json()
     except ValueError:
         return error_response(400, "the request body is not JSON", "invalid_request_error")
+    return await serve_turn(proxy, request, body, ChatView())
+
+
+async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: ChatView) -> Response:
+    """One turn of a chat-completions ``body`` (see the module docstring), answered through
+    ``view``; errors as ``app.py`` describes. The turn goes to the session's backend
+    (``BackendPool.route``); one that cannot be connected to is marked down and the turn is
+    planned again on the session's next backend (failover), until none is up."""
     refused = request_error(body)
     if refused is not None:
-        return backend_error(400, refused)
+        return view.refused(refused, {})
     messages = body["messages"]
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
-        return error_response(400, "'cache_salt' must be a string", "invalid_request_error")
+        return view.error(400, "'cache_salt' must be a string", "invalid_request_error", {})
     context_len = await proxy.context_len()
     keys = session_keys(body, request.headers)._asdict()  # header > prompt_cache_key > user
     tenant = tenant_of(request)
@@ -147,15 +181,11 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
             parent = None  # NOTE: read on a session's first request only
         elif parent is None:
             ids = ", ".join(repr(i) for i in tried)
-            return error_response(
-                404,
-                f"{FORK_HEADER}: no live session {fork_from!r} to fork from (tried the ids {ids})",
-                "not_found",
-            )
+            missing = f"no live session {fork_from!r} to fork from (tried the ids {ids})"
+            return view.error(404, f"{FORK_HEADER}: {missing}", "not_found", {})
         elif parent is existing:
-            return error_response(
-                400, f"{FORK_HEADER}: a session cannot fork from itself", "invalid_request_error"
-            )
+            itself = f"{FORK_HEADER}: a session cannot fork from itself"
+            return view.error(400, itself, "invalid_request_error", {})
     session = proxy.registry.resolve(
         messages, **keys, tenant=tenant, cache_salt=salt,
         fresh=parent is not None,
@@ -175,9 +205,9 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
                 lambda: prepare(session.core, body, context_len=context_len)
             )
         except (RequestRefused, jinja2.TemplateError) as e:  # what the backend would say
-            return backend_error(400, str(e), headers)
+            return view.refused(str(e), headers)
         except (PolicyError, DirectiveError) as e:
-            return error_response(
+            return view.error(
                 400, f"cannot apply the policy: {e}", "invalid_request_error", headers
             )
         turn = ProxyTurn(proxy, session, prepared)
@@ -191,7 +221,7 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
                 await upstream.aread()
                 await upstream.aclose()
                 turn.failed(t0, upstream.status_code)
-                return passthrough(upstream, headers)
+                return view.backend_failed(upstream, headers)
             lines = relay(
                 upstream,
                 prompt_len=len(pending.plan.tokens),
@@ -201,18 +231,18 @@ async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
                 on_end=turn.stream_ended,
             )
             handed_over = True
-            return StreamingResponse(lines, media_type="text/event-stream", headers=headers)
+            return view.stream(lines, prepared, headers)
         r = await backend.http.post("/v1/chat/completions", json=prepared.body)
         backend.count(error=r.status_code >= 500)
         request_ms = (time.perf_counter() - t0) * 1e3
         if r.status_code != 200:
             turn.failed(t0, r.status_code)
-            return passthrough(r, headers)
+            return view.backend_failed(r, headers)
         data = r.json()
         record = turn.finish(data, request_ms=request_ms, prompt_ids=prepared.prompt_ids(data))
         if marker is not None and record.error is None:
             await proxy.retention.pin_turn(session, pending, marker)
-        return JSONResponse(data, headers=headers)
+        return view.answer(data, prepared, headers)
 
     try:
         backend = proxy.pool.route(session)
