@@ -138,7 +138,7 @@ def test_line_cuts_screen(renderer: Renderer) -> None:
 
 @settings(max_examples=80, deadline=None)
 @given(
-    st.lists(st.lists(st.integers(0, 9), max_size=6), min_size=1, max_size=6),
+    st.lists(st.lists(st.integers(0, 9), max_size=6), min_size=1, max_size=40),  # runs flatten
     st.integers(-3, 40),
     st.integers(-3, 40),
     st.integers(-20, 20),
@@ -253,3 +253,17 @@ def test_wrapper_plans_a_huge_first_message_edit_as_a_small_splice(renderer: Ren
     assert inc.incremental is not None
     assert inc.incremental.stats["windowed"] >= 3 and inc.incremental.stats["window_fallbacks"] == 0
     assert json.dumps(a.tail)
+
+
+def test_a_tokenizer_without_line_cuts_encodes_changed_pieces_whole(renderer: Renderer) -> None:
+    tok = Tokenizer.from_str(renderer.tokenizer.to_str())
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    plain = Renderer(tok, renderer.chat_templates["default"])
+    assert not line_cuts(tok)
+    inc = IncrementalRenderer(plain)
+    msgs = [{"role": "system", "content": report(0, 150)}, {"role": "user", "content": "Go."}]
+    for turn in range(1, 4):
+        msgs = [{**msgs[0], "content": report(turn, 150)}, *msgs[1:], *step(turn)]
+        got, want = inc.render(msgs, TOOLS), plain.render(msgs, TOOLS)
+        assert (got.text, got.tokens, got.spans) == (want.text, want.tokens, want.spans)
+    assert inc.stats == {"windowed": 0, "window_fallbacks": 0}

@@ -8,7 +8,8 @@ list's messages ``1..`` unchanged, the text up to message 2 is cut from a render
 ``[new0, old1, old2]`` and the old text from message 2 on follows (``splice_head``; raw
 boundaries likewise). ``head_local(renderer)`` decides it once per renderer: the template is local
 and a probe check (windowed == full render for content edits of the first message, with and
-without tools and system message, at several lengths) passes.
+without tools and system message, at several lengths) passes. The same property lets a tail
+window render a long first message as the short ``STAND_IN``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from leyline_agent.chat.render import Renderer
 
 _DECIDED: WeakKeyDictionary[Renderer, bool] = WeakKeyDictionary()
+STAND_IN = "changed\nDate: 2"  # a first message's content the probe renders (see render_cache)
 
 
 def content_only(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -63,7 +65,7 @@ def _probe(renderer: Renderer, conv: Sequence[Message], tools: list[Any] | None)
     for n in sorted({3, 4, 6, len(conv)}):
         old = list(conv[:n])
         old_text, old_raw = full_text(renderer, old, tools, True)
-        for content in ("changed\nDate: 2", "", old[0].get("content", "") + " x"):
+        for content in (STAND_IN, "", old[0].get("content", "") + " x"):
             new = [{**old[0], "content": content}, *old[1:]]
             window = full_text(renderer, new[:3], tools, True)
             if splice_head(old_text, old_raw, *window) != full_text(renderer, new, tools, True):

@@ -33,7 +33,7 @@ from copy import deepcopy
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from leyline_agent.chat.head import content_only, head_local, splice_head
+from leyline_agent.chat.head import STAND_IN, content_only, head_local, splice_head
 from leyline_agent.chat.locality import common_messages, full_text, splice_window
 from leyline_agent.chat.render import Renderer
 from leyline_agent.chat.retokenize import (
@@ -97,6 +97,7 @@ class IncrementalRenderer:
         self._local = local
         self._pieces: dict[str, tuple[list[int], Starts]] = {}
         self._piece_chars = 0
+        self._last_head: tuple[list[Message], Any, bool, tuple[str, list[int]]] | None = None
         self.stats = {"windowed": 0, "window_fallbacks": 0}
 
     @cached_property
@@ -143,14 +144,14 @@ class IncrementalRenderer:
         if best is not None and head:
             w = [messages[0], *best.messages[1:3]]
             old_text, old_raw = splice_head(
-                best.text, best.raw, *full_text(self.renderer, w, tools, add_generation_prompt)
+                best.text, best.raw, *self._head_window(w, tools_l, add_generation_prompt)
             )
         elif best is not None:
             old_text, old_raw = best.text, best.raw
         if best is not None and head and m == len(messages) == len(best.messages):
             text, raw = old_text, old_raw
         elif best is not None and m >= 3 and self.local:
-            window = [messages[0], messages[m - 2], *messages[m - 1 :]]
+            window = [self._stand_in(messages[0]), messages[m - 2], *messages[m - 1 :]]
             text_w, raw_w = full_text(self.renderer, window, tools, add_generation_prompt)
             text, raw = splice_window(old_text, old_raw, m, text_w, raw_w)
             if not head:
@@ -192,6 +193,28 @@ class IncrementalRenderer:
         self._remember(best, state)
         return rendered
 
+    def _head_window(
+        self, window: list[Message], tools: list[Any] | None, agp: bool
+    ) -> tuple[str, list[int]]:
+        """``full_text`` of a head window, remembered for the next one (a wrapper renders the
+        incoming and the edited list: both start with the same three messages)."""
+        last = self._last_head
+        if last is not None and last[1] == tools and last[2] == agp:
+            if common_messages(last[0], window) == len(window) == len(last[0]):
+                return last[3]
+        out = full_text(self.renderer, window, tools, agp)
+        self._last_head = ([_frozen(m) for m in window], tools, agp, out)
+        return out
+
+    def _stand_in(self, first: Message) -> Message:
+        """The first message as a tail window renders it: for a head-local template the text
+        after the window's second message does not depend on its content, so a long one is
+        replaced by a short stand-in (its rendering is never used)."""
+        content = first.get("content")
+        if isinstance(content, str) and len(content) > _WINDOW_MIN and head_local(self.renderer):
+            return {**first, "content": STAND_IN}
+        return first
+
     def _head_changed(self, old: list[Message], new: list[Message]) -> bool:
         """Only the first message's content differs at the front, and ``splice_head`` applies."""
         return (
@@ -205,36 +228,32 @@ class IncrementalRenderer:
     def _encode(self, text: str, base: _State | None) -> tuple[list[int], Starts, list[int]]:
         """Token ids, token starts and cut points of ``text``: ``base``'s ids up to the last cut
         inside the text both agree on, then piece by piece (a piece ends after a special token),
-        each piece's ids remembered; a long first piece is re-tokenized from ``base``'s around the
-        change (``resplice``)."""
+        each piece's ids remembered. A long first piece is re-tokenized from ``base``'s around the
+        change (``resplice``), and where the texts agree again after it (a first message changed
+        in place), ``base``'s ids are reused up to the last cut inside that agreement."""
         cut_ids, splitter = self._cuts
         i = p = j = 0
         tokens: list[int] = []
         segs: list[Seg] = []
         cuts: list[int] = []
         if base is not None and cut_ids:
-            agree = prefix_len(base.text, text)
-            # NOTE: token i - 1 ends where token i starts; a cut at i is reusable when that end
-            # lies inside the agreeing prefix (the whole old text counts as ending at its length).
-            q = len(base.starts) + 1 if agree == len(base.text) else base.starts.bisect_right(agree)
-            j = bisect_left(base.cuts, q)
+            j = self._reusable(base, 0, 0, prefix_len(base.text, text))
             if j:
                 i = base.cuts[j - 1]
                 p = base.starts[i] if i < len(base.starts) else len(base.text)
                 tokens, cuts = base.tokens[:i], base.cuts[:j]
                 segs = list(base.starts.slice(0, i).segs)
-        ends = [m.end() for m in splitter.finditer(text, p)] if splitter else []
-        if not ends or ends[-1] != len(text):
-            ends.append(len(text))
-        encode = self._encoder
-        for k, end in enumerate(ends):
+        first = True
+        while True:
+            m = splitter.search(text, p) if splitter else None
+            end = m.end() if m is not None else len(text)
             piece = text[p:end]
             hit = self._pieces.get(piece)
             if hit is None:
-                if k == 0 and base is not None and len(piece) >= _WINDOW_MIN:
+                if first and base is not None and len(piece) >= _WINDOW_MIN:
                     hit = self._resplice(base, i, j, p, piece)
                 if hit is None:
-                    enc = encode(piece)
+                    enc = self._encoder(piece)
                     hit = (enc.ids, Starts.of(encoding_starts(enc)))
                 if len(self._pieces) > _MAX_PIECES or self._piece_chars > _MAX_PIECE_CHARS:
                     self._pieces.clear()
@@ -246,8 +265,32 @@ class IncrementalRenderer:
                 cuts.append(len(tokens) + len(ids))
             tokens += ids
             segs += [(sh + p, loc, lo, hi) for sh, loc, lo, hi in local.segs]
+            if first and base is not None and cut_ids and j < len(base.cuts) and end < len(text):
+                # NOTE: base's piece at p ended at its cut ``c``; where the texts agree from
+                # there on, its ids up to the last cut inside the agreement are the new ones.
+                c = base.cuts[j]
+                q = base.starts[c] if c < len(base.starts) else len(base.text)
+                j2 = self._reusable(base, q, j + 1, prefix_len(base.text[q:], text[end:]))
+                if j2 > j + 1:
+                    c2, off, shift = base.cuts[j2 - 1], len(tokens) - c, end - q
+                    tokens += base.tokens[c:c2]
+                    segs += base.starts.slice(c, c2, shift).segs
+                    cuts += [x + off for x in base.cuts[j + 1 : j2]]
+                    end = (base.starts[c2] if c2 < len(base.starts) else len(base.text)) + shift
+            first = False
             p = end
-        return tokens, Starts(segs), cuts
+            if p >= len(text):
+                return tokens, Starts(segs), cuts
+
+    @staticmethod
+    def _reusable(base: _State, at: int, lo: int, agree: int) -> int:
+        """How many of ``base.cuts`` (from index ``lo``) lie inside ``base.text[at:at + agree]``,
+        the stretch the new text agrees with, plus ``lo``."""
+        # NOTE: token i - 1 ends where token i starts; a cut at i is reusable when that end
+        # lies inside the agreement (the whole old text counts as ending at its length).
+        end = at + agree
+        q = len(base.starts) + 1 if end == len(base.text) else base.starts.bisect_right(end)
+        return max(bisect_left(base.cuts, q, lo), lo)
 
     def _encoder(self, text: str) -> Any:
         return self.renderer.tokenizer.encode(text, add_special_tokens=False)

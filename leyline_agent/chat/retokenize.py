@@ -33,7 +33,27 @@ from tokenizers import Encoding, Tokenizer
 
 Seg = tuple[int, list[int], int, int]  # (shift, local starts, lo, hi): local[lo:hi] + shift
 
-_MAX_SEGS = 1024  # beyond it a ``Starts`` is flattened into one segment (rare: long sessions)
+_SMALL, _SMALL_RUN = 2048, 16  # runs of this many segments of fewer tokens are flattened
+
+
+def _compacted(segs: list[Seg]) -> list[Seg]:
+    """``segs`` with every run of at least ``_SMALL_RUN`` small segments flattened into one (each
+    token is flattened at most once, so slicing and joining stay cheap as pieces accumulate)."""
+    out: list[Seg] = []
+    run: list[Seg] = []
+    for seg in [*segs, (0, [], 0, _SMALL)]:  # the sentinel ends the last run
+        if seg[3] - seg[2] < _SMALL:
+            run.append(seg)
+            continue
+        if len(run) >= _SMALL_RUN:
+            flat = [shift + v for shift, local, lo, hi in run for v in local[lo:hi]]
+            out.append((0, flat, 0, len(flat)))
+        else:
+            out += run
+        run = []
+        out.append(seg)
+    out.pop()  # the sentinel
+    return out
 
 
 class Starts:
@@ -57,9 +77,8 @@ class Starts:
                     merged[-1] = (shift, local, lo, seg[3])
                     continue
             merged.append(seg)
-        if len(merged) > _MAX_SEGS:
-            flat = [shift + s for shift, local, lo, hi in merged for s in local[lo:hi]]
-            merged = [(0, flat, 0, len(flat))]
+        if len(merged) > _SMALL_RUN:
+            merged = _compacted(merged)
         self.segs = merged
         tok, first, n = [], [], 0
         for shift, local, lo, hi in merged:
