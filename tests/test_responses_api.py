@@ -55,6 +55,7 @@ def test_request_view_maps_every_field() -> None:
         ],
         "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "read_file"},
         "max_output_tokens": 7, "temperature": 0.5, "stream": True, "store": False,
+        "ebnf": 'root ::= "x"', "text": {"format": {"type": "text"}}, "include": [],
     }  # fmt: skip
     history = [{"role": "user", "content": "start"}]
     chat, conversation = chat_body(body, history)
@@ -69,7 +70,7 @@ def test_request_view_maps_every_field() -> None:
     assert chat == {
         "model": "m", "messages": [{"role": "system", "content": "Be brief."}, *conversation],
         "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "read_file"}},
-        "max_tokens": 7, "temperature": 0.5, "stream": True,
+        "max_tokens": 7, "temperature": 0.5, "stream": True, "ebnf": 'root ::= "x"',
         "stream_options": {"include_usage": True},
     }  # fmt: skip
 

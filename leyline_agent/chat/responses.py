@@ -30,7 +30,14 @@ from typing import Any
 
 Message = dict[str, Any]
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-SAMPLING = ("temperature", "top_p", "stream", "user", "prompt_cache_key", "cache_salt")
+# NOTE: the Responses fields with no chat counterpart (or another meaning there); every other field
+# of the request (temperature, top_p, user, cache_salt, SGLang's ebnf/regex, ...) is sent on as is.
+RESPONSES_ONLY = frozenset({
+    "input", "instructions", "tools", "tool_choice", "max_output_tokens", "previous_response_id",
+    "store", "metadata", "text", "truncation", "include", "reasoning", "background",
+    "conversation", "prompt", "prompt_cache_retention", "service_tier", "safety_identifier",
+    "top_logprobs", "max_tool_calls", "stream_options", "model", "messages",
+})  # fmt: skip
 
 
 class ResponsesError(ValueError):
@@ -165,7 +172,7 @@ def chat_body(
         chat["tool_choice"] = chat_tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    chat.update({k: body[k] for k in SAMPLING if body.get(k) is not None})
+    chat.update({k: v for k, v in body.items() if k not in RESPONSES_ONLY and v is not None})
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     return chat, conversation
