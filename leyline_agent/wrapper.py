@@ -20,7 +20,7 @@ from leyline_agent.chat.spans import Rendered
 from leyline_agent.diff import Diff, diff_rendered, diff_tokens, message_key
 from leyline_agent.directive import Directive, Mode
 from leyline_agent.messages import sent_message
-from leyline_agent.policies.edits import apply_edits
+from leyline_agent.policies.edits import EditResult, apply_edits
 from leyline_agent.policies.protocol import Conversation, Edit, Policy, carry_edits
 from leyline_agent.policies.registry import parse_policy
 
@@ -167,7 +167,9 @@ class ConversationWrapper:
         incoming = [sent_message(m) for m in messages]
         rendered = render(incoming, tools)
         edits = list(self.policy(self._conversation(messages, incoming, rendered)))
-        edited = apply_edits(messages, edits)
+        # NOTE: no edits, no copies: every sent message is the incoming one.
+        n = len(incoming)
+        edited = apply_edits(messages, edits) if edits else EditResult(incoming, [*range(n)], {})
         sent = [  # messages no edit touched are the incoming ones, already cleaned
             sent_message(m) if i in edited.modes else incoming[i]
             for m, i in zip(edited.messages, edited.sources, strict=True)

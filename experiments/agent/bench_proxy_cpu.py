@@ -1,0 +1,127 @@
+"""The proxy's own CPU per request, without a backend: where ``bench_proxy_overhead.py``'s added
+latency goes when the backend's time is taken out.
+
+The same conversation (an assistant tool call, a ``--words-per-output`` tool output and a user
+nudge per turn) grows to ``--target`` tokens; every turn's body goes through what the proxy does
+with it: ``parse`` (the request JSON), ``prepare`` (``chat_turn.prepare``: request checks, view,
+policy and plan; no splice is sent for appended turns under ``--policy none``), ``forward_json``
+(the body to the backend), ``answer_parse`` (the backend's answer with the prompt token ids the
+proxy asks for), ``complete`` (``chat_turn.complete``: usage, the ids compared, the turn
+recorded). ``backend_json`` is the backend's own cost of writing those ids (not the proxy's, so
+not in ``proxy_total``). Loopback hops are not counted.
+
+    .venv/bin/python experiments/agent/bench_proxy_cpu.py [--target 34000] [--policy none]
+
+Prints the median milliseconds per part by history bucket, then JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from bench_planning import TOOLS
+from bench_proxy_overhead import tool_output
+
+from leyline_agent import chat_turn
+from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.client import LeylineClient
+from leyline_agent.session import SessionCore
+from leyline_agent.wrapper import ConversationWrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=int, default=34000)
+    ap.add_argument("--policy", default="none")
+    ap.add_argument("--words-per-output", type=int, default=600)
+    args = ap.parse_args()
+
+    renderer = load_renderer()
+    _ = renderer.incremental_checks
+    core = SessionCore(
+        LeylineClient("http://127.0.0.1:9"), ConversationWrapper(renderer, args.policy)
+    )
+    rng = random.Random(0)
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a coding agent (run 1)."},
+        {"role": "user", "content": "Fix the failing test in the repository."},
+    ]
+    rows: list[tuple[int, dict[str, float]]] = []
+    prompt = turn = 0
+    while prompt < args.target:
+        body = {"model": "default", "messages": messages, "tools": TOOLS, "max_tokens": 1}
+        raw = json.dumps(body).encode()
+        marks = {"start": time.perf_counter()}
+        parsed = json.loads(raw)
+        marks["parse"] = time.perf_counter()
+        ct = chat_turn.prepare(core, parsed)
+        marks["prepare"] = time.perf_counter()
+        json.dumps(ct.body)
+        marks["forward_json"] = time.perf_counter()
+        ids = ct.pending.plan.tokens
+        answer = {
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "a"},
+                    "finish_reason": "length",
+                    "prompt_token_ids": ids,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": max(len(ids) - 800, 0)},
+            },
+        }
+        raw_answer = json.dumps(answer).encode()
+        marks["backend_json"] = time.perf_counter()
+        data = json.loads(raw_answer)
+        marks["answer_parse"] = time.perf_counter()
+        chat_turn.complete(core, ct, data, request_ms=1.0, prompt_ids=ct.prompt_ids(data))
+        marks["complete"] = time.perf_counter()
+        json.dumps(data)
+        marks["client_json"] = time.perf_counter()
+        stamps = list(marks.items())
+        ms = {k: (t - stamps[i][1]) * 1e3 for i, (k, t) in enumerate(stamps[1:])}
+        ms["proxy_total"] = sum(v for k, v in ms.items() if k != "backend_json")
+        prompt = len(ids)
+        if turn:
+            rows.append((prompt, ms))
+        call = {
+            "id": f"call_{turn}",
+            "type": "function",
+            "function": {"name": "bash", "arguments": json.dumps({"cmd": f"pytest -x {turn}"})},
+        }
+        messages = [
+            *messages,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {
+                "role": "tool",
+                "tool_call_id": call["id"],
+                "content": tool_output(rng, args.words_per_output),
+            },
+            {"role": "user", "content": "Continue."},
+        ]
+        turn += 1
+    out = []
+    for lo, hi in ((0, 8000), (8000, 16000), (16000, 32000), (32000, 10**9)):
+        sel = [m for p, m in rows if lo <= p < hi]
+        if sel:
+            med = {k: round(statistics.median(m[k] for m in sel), 2) for k in sel[0]}
+            out.append({"from": lo, "to": hi, "turns": len(sel), **med})
+            print(
+                f"{lo:>6}-{min(hi, 10**6):<7} {len(sel):3d} turns  "
+                + "  ".join(f"{k} {v:.2f}" for k, v in med.items())
+            )
+    print(json.dumps({"policy": args.policy, "buckets": out}))
+
+
+if __name__ == "__main__":
+    main()
