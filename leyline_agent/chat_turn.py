@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from leyline_agent.accounting import TurnRecord
-from leyline_agent.chat.openai import chat_request_view, pop_prompt_ids, read_usage
+from leyline_agent.chat.openai import (
+    chat_request_view,
+    pop_prompt_ids,
+    read_usage,
+    renders_developer,
+)
 from leyline_agent.chat.request import (
     final_assistant,
     length_error,
@@ -87,7 +92,10 @@ def prepare(
     tools = body.get("tools") or None
     core.set_cache_salt(body.get("cache_salt"))
     cont = bool(body.get("continue_final_message"))
-    view, view_tools = chat_request_view(messages, tools, body.get("tool_choice"), cont)
+    developer = not renders_developer(core.wrapper.renderer)  # sent as system where not served
+    view, view_tools = chat_request_view(
+        messages, tools, body.get("tool_choice"), cont, developer_as_system=developer
+    )
     final: dict[str, Any] | None = None
     continued: str | None = None
     if cont:

@@ -180,7 +180,6 @@ def test_stream_reads_ids_from_sglext_and_strips_them(proxy: str) -> None:
 @pytest.mark.parametrize(
     ("messages", "extra", "message"),
     [
-        ([{"role": "developer", "content": "x"}, USER], {}, "unsupported message role: developer"),
         ([{"role": "function", "name": "f", "content": "x"}, USER], {}, "unsupported message role: function"),
         ([{"role": "user"}], {}, "a user message needs 'content'"),
         ([{"role": "bogus", "content": "x"}], {}, "'role' must be one of"),

@@ -4,17 +4,44 @@ it, and what to read back from the response (prompt token ids, usage).
 ``chat_request_view`` is the request view the proxy and ``LeylineSession`` plan on and send;
 ``chat.sglang`` is the view SGLang hands its chat template. The first is a fixed point of the
 second's normalisation, so both sides render the same tokens.
+
+``role: "developer"`` (OpenAI's name for system instructions since its o-series): SGLang 0.5.23
+hands it to the chat template unchanged (``serving_chat._apply_jinja_template``; only its Kimi K3
+and Harmony paths rename it), and most templates refuse it (``raise_exception``) or drop it. Where
+the template does not render it (``renders_developer``) the view sends it as ``system``: the body
+forwarded and the prompt rendered both carry the template's system role.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leyline_agent.chat.request import final_assistant
 from leyline_agent.chat.sglang import sglang_tools
 from leyline_agent.markers import strip_markers
 from leyline_agent.messages import served_content, tool_call_arguments
+
+if TYPE_CHECKING:
+    from leyline_agent.chat.render import Renderer
+
+_PROBE = "\ue000developer"  # private-use text no real instruction holds
+_RENDERS_DEVELOPER: weakref.WeakKeyDictionary[Renderer, bool] = weakref.WeakKeyDictionary()
+
+
+def renders_developer(renderer: Renderer) -> bool:
+    """Whether ``renderer``'s chat template renders a ``developer`` message (its text is in the
+    prompt); False when the template refuses the role or drops it. Probed once per renderer."""
+    known = _RENDERS_DEVELOPER.get(renderer)
+    if known is None:
+        probe = [{"role": "developer", "content": _PROBE}, {"role": "user", "content": "hi"}]
+        try:
+            known = _PROBE in renderer.render_text(probe)
+        except Exception:  # NOTE: whatever the template raises, it does not serve the role
+            known = False
+        _RENDERS_DEVELOPER[renderer] = known
+    return known
 
 
 def served_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -39,6 +66,7 @@ def chat_request_view(
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: Any = None,
     continue_final_message: bool = False,
+    developer_as_system: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and tools of a chat request as SGLang's chat template will see them.
 
@@ -50,7 +78,9 @@ def chat_request_view(
     turn (unless ``continue_final_message``: ``chat_turn.prepare`` then plans without it).
     Planning on the raw request would give other tokens than the server's prompt (every splice
     would then miss). This view is a fixed point of that normalisation: send it and render it,
-    and both sides agree. Semantics are unchanged.
+    and both sides agree. Semantics are unchanged. ``developer_as_system``: a ``developer``
+    message is sent as ``system`` (for a template that does not render the role, see
+    ``renders_developer``).
     """
     if tools and tool_choice == "none":
         tools = None
@@ -58,6 +88,11 @@ def chat_request_view(
         name = (tool_choice.get("function") or {}).get("name")
         tools = [t for t in tools if (t.get("function") or {}).get("name") == name] or None
     served = [served_message(m) for m in messages]
+    if developer_as_system:
+        served = [
+            {**m, "role": "system"} if str(m.get("role")).lower() == "developer" else m
+            for m in served
+        ]
     if not continue_final_message:
         served = final_assistant(served)[0]
     return served, sglang_tools(tools)

@@ -1,0 +1,255 @@
+"""The session keys clients really send, bad text and ``developer`` messages (issue 24, part 3).
+
+- ``prompt_cache_key`` names a session; precedence ``X-Leyline-Session`` > ``prompt_cache_key`` >
+  the ``user`` scope > anonymous (``identity.session_keys``);
+- ``user`` names an end user, not a conversation: a chat front end that sends its user's id on
+  every request (LibreChat) gets one session per conversation (told apart by history);
+- a lone surrogate anywhere in a request's text is a 400 before any splice (was a 500);
+- ``role: "developer"`` is served as the template's system role, on the proxy and in process.
+
+Live tests run the real proxy (uvicorn on loopback) in front of the session's ``leyline serve``,
+with the real ``openai`` client or raw httpx where the client cannot send the body.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from starlette.datastructures import Headers
+from test_proxy import (
+    POLICY,
+    SYSTEM,
+    TOOLS,
+    agent_conversation,
+    expected_plans,
+    new_id,
+    openai_client,
+    run_turns,
+    serve_proxy,
+    session_detail,
+)
+
+from leyline_agent.api import LeylineSession
+from leyline_agent.chat.openai import chat_request_view, renders_developer
+from leyline_agent.chat.request import request_error
+from leyline_agent.chat_turn import RequestRefused
+from leyline_agent.proxy import SESSION_HEADER
+from leyline_agent.proxy.identity import SessionKeys, session_keys
+from leyline_agent.wrapper import ConversationWrapper
+
+# --- without a backend ----------------------------------------------------------------------
+
+
+def test_session_keys_of_a_request() -> None:
+    body = {"messages": [], "prompt_cache_key": "conv-9", "user": "u-1"}
+    headers = Headers({"x-leyline-session": "s-1"})  # a request's headers: any case
+    assert session_keys(body, headers) == SessionKeys("s-1", "conv-9", "u-1")
+    assert session_keys(body, {}) == SessionKeys(None, "conv-9", "u-1")
+    # not a non-empty string: absent (SGLang ignores both fields)
+    odd = {"prompt_cache_key": 7, "user": ""}
+    assert session_keys(odd, Headers({SESSION_HEADER: ""})) == SessionKeys(None, None, None)
+    keys = session_keys(body, {})._asdict()
+    assert keys == {"header": None, "cache_key": "conv-9", "user": "u-1"}
+
+
+BAD = "bytes \udcff here"  # what json.dumps writes as "\udcff" for surrogateescape'd bytes
+CALL = {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}
+
+
+def _body(**over: Any) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "run it"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    return {"model": "m", "messages": messages, "tools": TOOLS, **over}
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda b: b["messages"][2].update(content=BAD), "messages[2].content"),
+        (lambda b: b["messages"][2].update(content=[{"type": "text", "text": BAD}]),
+         "messages[2].content[0].text"),
+        (lambda b: b["messages"][1]["tool_calls"][0]["function"].update(arguments='{"a": "\udcff"}'),
+         "messages[1].tool_calls[0].function.arguments"),
+        (lambda b: b["messages"][1]["tool_calls"][0]["function"].update(name="s\udcffh"),
+         "messages[1].tool_calls[0].function.name"),
+        (lambda b: b["tools"][0]["function"].update(description=BAD), "tools[0].function.description"),
+        (lambda b: b["messages"][0].update(name="n\ud800"), "messages[0].name"),
+        (lambda b: b.update(stop=["\udfff"]), "stop[0]"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_unicode_is_refused_with_its_place(edit: Any, where: str) -> None:
+    body = json.loads(json.dumps(_body()))
+    assert request_error(body) is None
+    edit(body)
+    error = request_error(body)
+    assert error is not None and f"lone surrogate) at {where} (character " in error
+    assert error.isascii()  # the message itself is valid text
+    assert request_error(_body(stop=["é 😀 \ue000"])) is None  # any valid text passes
+
+
+def test_developer_is_sent_as_system_where_the_template_refuses_it() -> None:
+    wrapper = ConversationWrapper()  # the embedded template: "unsupported message role"
+    assert renders_developer(wrapper.renderer) is False
+    dev = [{"role": "developer", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    sys_ = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    view, _ = chat_request_view(dev, None, developer_as_system=True)
+    assert view == chat_request_view(sys_, None)[0]
+    assert chat_request_view(dev, None)[0][0]["role"] == "developer"  # only when asked
+
+
+# --- live -----------------------------------------------------------------------------------
+
+
+WORDS = (
+    "tide turbine lagoon estuary barrage rotor grid storage flour starter crumb oven proof "
+    "dough hydration yeast culture crust levain knead fold shape score steam bake cool slice "
+    "river moon current energy power cable basin ocean wave salt water rye wheat spelt honey"
+).split()
+
+
+def _text(seed: str, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def _chat_turns(topic: str, n: int) -> list[list[dict[str, Any]]]:
+    """A chat front end's requests for one conversation: the full history every turn (its own
+    words, so that two conversations share no more than the system prompt)."""
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+        {"role": "user", "content": f"About {topic}: {_text(topic, 300)}"},
+    ]
+    turns = [list(history)]
+    for t in range(1, n):
+        history.append({"role": "assistant", "content": _text(f"{topic} answer {t}", 40)})
+        history.append({"role": "user", "content": f"Follow-up {t}: {_text(f'{topic} {t}', 12)}"})
+        turns.append(list(history))
+    return turns
+
+
+@pytest.mark.sglang
+def test_one_user_two_conversations_prefill_only_their_tails(leyline_server: str) -> None:
+    """The given case: LibreChat sends ``user: <user id>`` on every request; two conversations of
+    one user, interleaved turn by turn. Each turn prefills its new tail only (before: both were
+    one session and each turn spliced the other conversation away)."""
+    a, b = _chat_turns("tidal energy", 4), _chat_turns("sourdough baking", 4)
+    plans = {"a": expected_plans("none", a), "b": expected_plans("none", b)}
+    user = f"librechat-{uuid.uuid4().hex[:8]}"
+    with serve_proxy(leyline_server, "none") as proxy:
+        client = openai_client(proxy)
+        after: list[int] = []
+        for t in range(4):
+            for name, turns in (("a", a), ("b", b)):
+                [(prompt, cached)] = run_turns(client, [turns[t]], user=user)
+                assert prompt == len(plans[name][t].tokens)
+                if t:  # all but the new tail is a hit
+                    assert cached == prompt - len(plans[name][t].tail), (name, t, prompt, cached)
+                after.append(prompt - cached)
+        sessions = httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]
+        assert len(sessions) == 2 and {s["user"] for s in sessions} == {user}
+        assert sorted(s["turns"] for s in sessions) == [4, 4]
+        assert all(s["id"].startswith(f"user:{user}:") and s["source"] == "user" for s in sessions)
+        assert sum(s["prefilled_tokens"] for s in sessions) == sum(after)
+        # before: one session for the user (what `user` meant), the same requests
+        one = {SESSION_HEADER: new_id("one-user")}
+        for t in range(4):
+            for turns in (a, b):
+                run_turns(openai_client(proxy, **one), [turns[t]], user=user)
+        records = session_detail(proxy, one[SESSION_HEADER])["records"]
+    before = [r["prefilled_tokens"] for r in records]
+    tails = sum(len(p.tail) for turns in plans.values() for p in turns[1:])
+    firsts = sum(len(p[0].tokens) for p in plans.values())
+    print(f"\none user, two conversations, after the first turns: prefilled {sum(before[2:])} as "
+          f"one session, {sum(after[2:])} as two ({sum(before[2:]) / sum(after[2:]):.1f}x); "
+          f"per turn {before} vs {after}")  # fmt: skip
+    assert sum(after) == firsts + tails and sum(after[2:]) == tails
+    assert all(records[t]["spliced"] for t in range(1, 8))  # each turn spliced the other away
+    assert sum(before[2:]) > 5 * tails  # ~ the conversation length per turn against its tail
+
+
+def _raw(proxy: str, sid: str, body: str) -> httpx.Response:
+    return httpx.post(
+        proxy + "/v1/chat/completions", content=body, timeout=120,
+        headers={"content-type": "application/json", SESSION_HEADER: sid},
+    )  # fmt: skip
+
+
+@pytest.mark.sglang
+def test_a_lone_surrogate_is_a_400_that_changes_nothing(leyline_server: str) -> None:
+    """A tool output with ``\\udcff`` (escaped in the JSON, as ``json.dumps`` writes it): a 400
+    in OpenAI's format (the ``error`` object; SGLang's fields too), before any splice; the
+    session is unchanged and still usable. Before: a plain-text 500 (the tokenizer's TypeError),
+    which openai-python retries twice."""
+    turns = agent_conversation(3)
+    plans = expected_plans(POLICY, turns)
+    sid = new_id("surrogate")
+    with serve_proxy(leyline_server, POLICY) as proxy:
+        client = openai_client(proxy, **{SESSION_HEADER: sid})
+        run_turns(client, turns[:2])
+        before = session_detail(proxy, sid)
+        bad = [dict(m) for m in turns[2]]
+        bad[-1]["content"] += "\nbinary: \udcff\udcfe"
+        body = json.dumps({"model": "default", "messages": bad, "tools": TOOLS, "max_tokens": 1})
+        assert "\\udcff" in body and body.isascii()
+        r = _raw(proxy, sid, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == 400
+        assert f"lone surrogate) at messages[{len(bad) - 1}].content (character" in err["message"]
+        assert r.json()["message"] == err["message"]  # SGLang's own fields as well
+        direct = httpx.post(leyline_server + "/v1/chat/completions", content=body, timeout=120,
+                            headers={"content-type": "application/json"})  # fmt: skip
+        assert direct.status_code == 400  # the backend refuses it too
+        assert session_detail(proxy, sid) == before  # nothing changed
+        unknown = _raw(proxy, new_id("surrogate-new"), body)
+        assert unknown.status_code == 400
+        assert len(httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]) == 1
+        # the session goes on: the same turn, decoded with errors="replace"
+        [(prompt, cached)] = run_turns(client, [turns[2]])
+        assert prompt == len(plans[2].tokens) and cached == prompt - len(plans[2].tail)
+        detail = session_detail(proxy, sid)
+        assert detail["turns"] == 3 and detail["records"][:2] == before["records"]
+    # in process: LeylineSession.chat refuses it the same way, nothing sent, nothing recorded
+    with LeylineSession(leyline_server, POLICY, share_exact=False) as session:
+        session.chat(turns[1], tools=TOOLS, max_tokens=1)
+        with pytest.raises(RequestRefused, match=r"lone surrogate\) at messages\["):
+            session.chat(bad, tools=TOOLS, max_tokens=1)
+        assert len(session.records) == 1
+        data = session.chat(turns[2], tools=TOOLS, max_tokens=1)
+        assert data["usage"]["prompt_tokens"] == len(plans[2].tokens)
+        assert session.records[-1].render_mismatch is False
+
+
+@pytest.mark.sglang
+def test_developer_messages_are_served_and_spliced(leyline_server: str) -> None:
+    """An agent whose instructions are ``role: "developer"`` (newer OpenAI clients): 200 on every
+    turn, rendered as the backend computes it (the body forwarded carries ``system``), spliced
+    on the policy's edits, no render mismatch. Before: 400 "unsupported message role"."""
+    turns = agent_conversation()
+    dev = [[{**m, "role": "developer"} if m["role"] == "system" else m for m in t] for t in turns]
+    plans = expected_plans(POLICY, turns)  # what the template renders: the system role
+    sid = new_id("developer")
+    with serve_proxy(leyline_server, POLICY) as proxy:
+        usage = run_turns(openai_client(proxy, **{SESSION_HEADER: sid}), dev)
+        detail = session_detail(proxy, sid)
+    assert [p for p, _ in usage] == [len(p.tokens) for p in plans]
+    records = detail["records"]
+    assert not any(r["render_mismatch"] or r["resynced"] for r in records)
+    edited = [t for t, p in enumerate(plans) if p.directives]
+    assert edited and all(records[t]["spliced"] for t in edited)
+    for t, ((prompt, cached), plan) in enumerate(zip(usage, plans, strict=True)):
+        if t:
+            assert cached == prompt - len(plan.tail), (t, prompt, cached)
+    # in process, the same
+    with LeylineSession(leyline_server, "none", share_exact=False) as session:
+        data = session.chat(dev[0], tools=TOOLS, max_tokens=1)
+        assert data["usage"]["prompt_tokens"] == len(expected_plans("none", turns[:1])[0].tokens)
+        assert session.records[0].render_mismatch is False
