@@ -398,6 +398,10 @@ def test_every_other_route_is_forwarded_to_the_backend(
     for path in ("/v1/no-such-route", "/v1/models/no-such-model"):
         mine, theirs = httpx.get(splice_proxy + path), httpx.get(leyline_server + path)
         assert (mine.status_code, mine.content) == (theirs.status_code, theirs.content), path
+    text = httpx.get(splice_proxy + "/metrics").text
+    completions = [line for line in text.splitlines()
+                   if line.startswith('leyline_proxy_route_requests_total{route="/v1/completions"}')]  # fmt: skip
+    assert len(completions) == 1 and int(completions[0].split()[-1]) >= 2
 
 
 @pytest.mark.sglang

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_proxy import POLICY, TOOLS, agent_conversation, expected_plans, openai_client, serve_proxy
 
 from leyline_agent.chat.responses import ResponsesError, chat_body, input_messages, output_items
@@ -148,6 +149,16 @@ def test_stateless_responses_are_spliced_like_chat(proxy: str) -> None:
     assert sum(detail["records"][t]["spliced"] for t in range(len(plans))) >= 3
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)  # store=False: not kept
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(proxy + "/metrics").text)
+    }
+    by_route = {
+        (f.name, s.labels["route"]): s.value
+        for f in families.values() if f.name.startswith("leyline_proxy_route_") for s in f.samples
+    }  # fmt: skip
+    spliced = sum(r["spliced"] for r in detail["records"])
+    assert by_route[("leyline_proxy_route_turns", "/v1/responses")] >= len(plans)
+    assert by_route[("leyline_proxy_route_spliced_turns", "/v1/responses")] >= spliced
 
 
 @pytest.mark.sglang

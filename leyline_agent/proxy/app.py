@@ -106,6 +106,7 @@ class LeylineProxy:
         )
         self.recorder = TraceRecorder(record_dir) if record_dir is not None else None
         self.parity = metrics.ParityCounters()
+        self.routes = metrics.RouteCounters()
         self.responses = ResponseStore()  # stored Responses-API responses (openai_responses.py)
         self._context_len: int | None = None
 
@@ -185,12 +186,13 @@ class LeylineProxy:
 
     async def forward(self, request: Request, path: str) -> Response:
         """Any route the proxy does not handle itself (``forward.py``)."""
-        return await forward(self.pool, request, path)
+        return await forward(self.pool, request, path, self.routes)
 
     def metrics(self, request: Request) -> Response:
         text = metrics.render(self.registry, self.parity, tenant=tenant_of(request))
         text += metrics.render_backends(self.pool, self.registry.sessions())
         text += metrics.render_retention(self.retention.counters)
+        text += metrics.render_routes(self.routes)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
 

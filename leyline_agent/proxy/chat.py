@@ -60,8 +60,10 @@ class ProxyTurn:
     """One request's session and prepared chat turn (``chat_turn.ChatTurn``), and how the
     proxy records it (parity counters, ``--record``, the render-mismatch warning)."""
 
-    def __init__(self, proxy: LeylineProxy, session: ProxySession, turn: ChatTurn) -> None:
-        self.proxy, self.session, self.turn = proxy, session, turn
+    def __init__(
+        self, proxy: LeylineProxy, session: ProxySession, turn: ChatTurn, route: str
+    ) -> None:
+        self.proxy, self.session, self.turn, self.route = proxy, session, turn, route
 
     def finish(
         self,
@@ -80,6 +82,7 @@ class ProxyTurn:
             prompt_ids=prompt_ids, error=error,
         )  # fmt: skip
         self.proxy.parity.add(record)
+        self.proxy.routes.turn(self.route, record)
         if self.proxy.recorder is not None:
             self.proxy.recorder.write(session.key, record.turn, turn.messages, turn.tools)
         if record.render_mismatch and not session.warned:
@@ -123,7 +126,10 @@ class ProxyTurn:
 class ChatView:
     """The response view of ``POST /v1/chat/completions``: the backend's answers as they are.
     Another front door (``openai_responses.py``) answers in its own format through the same
-    ``serve_turn`` by giving its own view with these five methods."""
+    ``serve_turn`` by giving its own view with these five methods (and its ``route``, the label
+    of its ``/metrics`` counters)."""
+
+    route = "/v1/chat/completions"
 
     def error(self, status: int, message: str, kind: str, headers: Mapping[str, str]) -> Response:
         """The proxy's own refusal (bad session reference, a policy that cannot apply)."""
@@ -161,6 +167,7 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
     ``view``; errors as ``app.py`` describes. The turn goes to the session's backend
     (``BackendPool.route``); one that cannot be connected to is marked down and the turn is
     planned again on the session's next backend (failover), until none is up."""
+    proxy.routes.request(view.route)
     refused = request_error(body)
     if refused is not None:
         return view.refused(refused, {})
@@ -210,7 +217,7 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
             return view.error(
                 400, f"cannot apply the policy: {e}", "invalid_request_error", headers
             )
-        turn = ProxyTurn(proxy, session, prepared)
+        turn = ProxyTurn(proxy, session, prepared, view.route)
         pending, marker = prepared.pending, prepared.marker
         t0 = time.perf_counter()
         if body.get("stream"):

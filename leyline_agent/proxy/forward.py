@@ -13,15 +13,19 @@ from starlette.background import BackgroundTask
 from leyline_agent.placement import shared_namespace
 from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.backends import BackendPool
+from leyline_agent.proxy.metrics import RouteCounters
 from leyline_agent.proxy.responses import error_response, unreachable
 
 
-async def forward(pool: BackendPool, request: Request, path: str) -> Response:
+async def forward(
+    pool: BackendPool, request: Request, path: str, routes: RouteCounters
+) -> Response:
     """Any other route the backend serves (``/v1/completions``, ``/v1/models/{id}``, ...):
     sent to the first backend up as is, with the backend's key, the answer streamed back
     unchanged. ``POST /v1/completions`` goes in the caller's tenant's shared namespace
     (exact KV, as a chat session's before its first splice): a repeated prompt is a hit,
     never one of another tenant's. No policy runs (there are no messages)."""
+    routes.request("/v1/completions" if path == "v1/completions" else "forwarded")
     backend = next(iter(pool.up()), pool.first)
     content = await request.body()
     if path == "v1/completions" and request.method == "POST":

@@ -9,7 +9,8 @@ the answers' ``usage.prompt_tokens_details.cached_tokens``).
 prompt tokens differed from the rendered ones / after which the session adopted the backend's.
 ``leyline_proxy_backend_*{backend="<url>"}`` (``render_backends``, proxy-wide): per backend,
 requests forwarded, errors, sessions that failed over away from it, live sessions on it, up.
-``leyline_proxy_pin*`` and ``leyline_proxy_fork*`` (``render_retention``, proxy-wide): pins
+``leyline_proxy_route_*{route="<route>"}`` (``render_routes``): requests, turns and spliced turns
+per route. ``leyline_proxy_pin*`` and ``leyline_proxy_fork*`` (``render_retention``, proxy-wide): pins
 made, refused by the server's cap (429), refused otherwise, replaced by the session's next pin,
 released at session end, markers whose TTL was clamped or invalid; forks, forks that copied the
 parent's KV, forks that started cold.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from leyline_agent.accounting import Totals, TurnRecord
@@ -67,6 +68,36 @@ class ParityCounters:
         self.render_mismatches += r.render_mismatch
         self.resyncs += r.resynced
         self.failed_turns += r.error is not None
+
+
+@dataclass
+class RouteCounters:
+    """Per route (``/v1/chat/completions``, ``/v1/responses``, ``/v1/completions``, ``forwarded``
+    for every other forwarded route): requests received, turns recorded, turns spliced."""
+
+    requests: Counter[str] = field(default_factory=Counter)
+    turns: Counter[str] = field(default_factory=Counter)
+    spliced: Counter[str] = field(default_factory=Counter)
+
+    def request(self, route: str) -> None:
+        self.requests[route] += 1
+
+    def turn(self, route: str, r: TurnRecord) -> None:
+        self.turns[route] += 1
+        self.spliced[route] += r.spliced
+
+
+def render_routes(c: RouteCounters) -> str:
+    """``leyline_proxy_route_{requests,turns,spliced_turns}_total{route="..."}``."""
+    out: list[str] = []
+    for counts, suffix, help_ in (
+        (c.requests, "requests_total", "Requests received on the route."),
+        (c.turns, "turns_total", "Turns recorded on the route."),
+        (c.spliced, "spliced_turns_total", "Turns on the route whose directives the backend executed."),
+    ):  # fmt: skip
+        samples = [(f'{{route="{_label(r)}"}}', n) for r, n in sorted(counts.items())]
+        out += _family(f"leyline_proxy_route_{suffix}", "counter", help_, samples)
+    return "\n".join(out) + "\n"
 
 
 _PARITY: tuple[tuple[str, str, str], ...] = (

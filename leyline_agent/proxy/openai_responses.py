@@ -62,6 +62,8 @@ def _sse(kind: str, seq: int, **fields: Any) -> str:
 class ResponsesView(ChatView):
     """The Responses format of one request's answer (module docstring)."""
 
+    route = "/v1/responses"
+
     def __init__(
         self,
         store: ResponseStore,
