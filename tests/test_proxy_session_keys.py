@@ -253,3 +253,33 @@ def test_developer_messages_are_served_and_spliced(leyline_server: str) -> None:
         data = session.chat(dev[0], tools=TOOLS, max_tokens=1)
         assert data["usage"]["prompt_tokens"] == len(expected_plans("none", turns[:1])[0].tokens)
         assert session.records[0].render_mismatch is False
+
+
+@pytest.mark.sglang
+def test_prompt_cache_key_names_a_session(leyline_server: str) -> None:
+    """``prompt_cache_key`` (the real client's parameter) names a session, under the header and
+    over ``user``; SGLang accepts the field (it is forwarded)."""
+    a, b = _chat_turns("estuary tides", 2), _chat_turns("rye starter", 2)
+    key_a, key_b, user = new_id("conv-a"), new_id("conv-b"), new_id("u")
+    plans = expected_plans("none", a)
+    with serve_proxy(leyline_server, "none") as proxy:
+        client = openai_client(proxy)
+        usage = []
+        for t in range(2):  # the same user, two keys: two sessions
+            usage += run_turns(client, [a[t]], prompt_cache_key=key_a, user=user)
+            run_turns(client, [b[t]], prompt_cache_key=key_b, user=user)
+        assert usage[1][1] == usage[1][0] - len(plans[1].tail)
+        for key in (key_a, key_b):
+            detail = session_detail(proxy, f"cache_key:{key}")
+            assert (detail["source"], detail["turns"], detail["user"]) == ("cache_key", 2, None)
+        # the header wins over the key
+        sid = new_id("header")
+        r = openai_client(proxy, **{SESSION_HEADER: sid}).chat.completions.with_raw_response.create(
+            model="default", messages=a[0], max_tokens=1, prompt_cache_key=key_a, user=user
+        )
+        assert r.headers[SESSION_HEADER] == sid
+        assert session_detail(proxy, f"cache_key:{key_a}")["turns"] == 2
+        ids = {
+            s["id"] for s in httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]
+        }
+        assert ids == {f"cache_key:{key_a}", f"cache_key:{key_b}", sid}
