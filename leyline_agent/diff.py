@@ -197,7 +197,8 @@ def diff_rendered(
     Returns:
         ``Diff`` with ``apply_directives(old_tokens, directives) + tail == new.tokens``.
     """
-    old_tokens = list(old.tokens if isinstance(old, Rendered) else old)
+    old_tokens = old.tokens if isinstance(old, Rendered) else old
+    old_tokens = old_tokens if isinstance(old_tokens, list) else list(old_tokens)  # not copied
     spans = list(old.spans if isinstance(old, Rendered) else old_spans or [])
     ob = _bounds(Rendered(old_tokens, spans))
     nb = _bounds(new)
@@ -219,6 +220,10 @@ def diff_rendered(
         if tag == "insert" and i1 == len(old_messages):
             j_app = j1
             break
+        if tag == "equal" and old_tokens[ob[i1] : ob[i2]] == N[nb[j1] : nb[j2]]:
+            # NOTE: a run of unchanged messages whose tokens are unchanged: one region (C speed)
+            regions.append(_Region(ob[i1], ob[i2], nb[j1], nb[j2], None))
+            continue
         pairs = [(i1 + t, i1 + t + 1, j1 + t, j1 + t + 1) for t in range(i2 - i1)]
         if i2 - i1 != j2 - j1:
             pairs = [(i1, i2, j1, j2)]
