@@ -1,9 +1,10 @@
 """Issue 23's case through the real proxy (``--policy none``) and a real ``leyline serve`` whose
-model carries Qwen3's published chat template: the user follow-up after a tool loop drops every
-earlier think block, and the turn is spliced at the cost of an exact splice (the think blocks
-deleted, the tail prefilled), with no render mismatch on that turn or the next.
+model carries a reasoning model's published chat template (Qwen3, GLM-4.5, Kimi-K2-thinking): the
+user follow-up after a tool loop drops or empties every earlier think block, and the turn is
+spliced at the cost of an exact splice (the think blocks deleted, the tail prefilled), with no
+render mismatch on that turn or the next.
 
-A tiny Qwen3-shaped model (dummy weights, the embedded tokenizer) with ``tests/templates/qwen3.jinja``
+A tiny Qwen3-shaped model (dummy weights, the embedded tokenizer) with ``tests/templates/*.jinja``
 as its chat template; the conversation is teacher-forced (``max_tokens=1``).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from reasoning import TOOLS, exact_reuse, session, template
+from reasoning import FAMILIES, TOOLS, exact_reuse, session, template
 from requires import require_sglang
 
 from leyline_agent.chat.model_dir import load_renderer
@@ -25,26 +26,28 @@ from leyline_agent.wrapper import ConversationWrapper
 pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
 
-@pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+@pytest.fixture(scope="module", params=FAMILIES)
+def thinking_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
     require_sglang()
     from leyline_agent.backends.sglang.launch import EmbeddedServer
     from leyline_agent.testing.tiny_models import write_tiny_model
 
-    d = write_tiny_model(tmp_path_factory.mktemp("qwen3-thinking"), "qwen3")
+    d = write_tiny_model(tmp_path_factory.mktemp(f"{request.param}-thinking"), "qwen3")
     config = json.loads((d / "tokenizer_config.json").read_text())
-    config["chat_template"] = template("qwen3")
+    config["chat_template"] = template(request.param)
     (d / "tokenizer_config.json").write_text(json.dumps(config))
     with EmbeddedServer(model_path=d, max_total_tokens=8192, extra_args=["--dummy"]) as srv:
         yield srv.url, d
 
 
 def test_follow_up_after_a_tool_loop_splices_the_think_blocks_out(
-    qwen3_server: tuple[str, Path],
+    thinking_server: tuple[str, Path],
 ) -> None:
     from test_proxy import new_id, openai_client, serve_proxy, session_detail
 
-    url, model = qwen3_server
+    url, model = thinking_server
     turns = session([[1, 1, 1], [1]])  # query, 3 steps, answer + follow-up, one more step
     sid = new_id("thinking")
     with serve_proxy(url, "none", model_path=model) as proxy:
@@ -77,5 +80,5 @@ def test_follow_up_after_a_tool_loop_splices_the_think_blocks_out(
         assert rec["reused_tokens"] >= 0.9 * exact, (t, rec, exact)
     print(json.dumps(figures))
     follow_up = detail["records"][4]
-    assert follow_up["spliced"] and figures[4]["directives"] == 3
+    assert follow_up["spliced"] and 3 <= figures[4]["directives"] <= 4  # + the generation prompt
     assert follow_up["prefilled_tokens"] <= figures[4]["exact_prefill"] + 8
