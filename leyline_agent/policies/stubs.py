@@ -23,9 +23,17 @@ def stub_edits(
 ) -> list[Edit]:
     """Edits that evict each group of observations (one agent step's outputs) behind one stub:
     the first output becomes ``stub`` with ``{n}`` = the group's size, the others empty."""
+    # NOTE: valid by construction (indices from the conversation, text replacements), so built
+    # without validation: a long conversation re-states every stub on every turn.
     edits = []
     for group in groups:
         text = stub.format(n=len(group))
-        edits.append(Edit(index=group[0], replacement=text, mode=Mode.AMORTIZE, reason=reason))
-        edits += [Edit(index=i, replacement="", reason=reason) for i in group[1:]]
+        edits.append(_edit(group[0], text, reason))
+        edits += [_edit(i, "", reason) for i in group[1:]]
     return edits
+
+
+def _edit(index: int, replacement: str, reason: str) -> Edit:
+    return Edit.model_construct(
+        index=index, span=None, replacement=replacement, mode=Mode.AMORTIZE, reason=reason
+    )
