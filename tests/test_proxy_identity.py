@@ -464,3 +464,36 @@ def test_the_backend_key_is_sent_upstream() -> None:
     with TestClient(app) as http:
         r = http.get("/v1/models", headers={"Authorization": "Bearer ck"})
     assert r.status_code == 200 and seen == ["Bearer bk"]  # the client's own key never goes up
+
+
+def window_turns(n: int, keep: int = 2, lines: int = 20) -> list[list[dict[str, Any]]]:
+    """An agent with a sliding window: its system prompt, its last ``keep`` exchanges (user,
+    assistant) and the new user message."""
+    system = {"role": "system", "content": "You are a coder. " * 8}
+    done: list[list[dict[str, Any]]] = []
+    turns = []
+    for t in range(n):
+        user = {"role": "user", "content": f"observation {t}: " + f"line {t}\n" * lines}
+        turns.append([system, *(m for pair in done[-keep:] for m in pair), user])
+        done.append([user, {"role": "assistant", "content": f"thought {t}"}])
+    return turns
+
+
+def test_a_sliding_window_stays_in_one_session() -> None:
+    """An unnamed agent that drops its oldest messages every turn (keeping its system prompt)
+    continues its session: the kept run counts as shared (before: a new session every turn
+    once the window was full, as only the system prompt was a common prefix)."""
+    turns = window_turns(6)
+    assert turns[3][1] != turns[2][1] and turns[3][1:3] == turns[2][3:5]  # the window slid
+    reg = SessionRegistry(_core)
+    sessions = []
+    for messages in turns:
+        s = reg.resolve(messages)
+        _commit(s, messages)
+        sessions.append(s)
+    assert all(s is sessions[0] for s in sessions) and reg.created == 1
+    # a window of another conversation (another system prompt, other messages) is not it
+    other = [{**m, "content": m["content"] + " (other)"} for m in turns[-1]]
+    assert reg.resolve(other) is not sessions[0]
+    # the same window again (another run, or a retry) is never merged into it
+    assert reg.resolve(turns[-1]) is not sessions[0]

@@ -283,3 +283,28 @@ def test_prompt_cache_key_names_a_session(leyline_server: str) -> None:
             s["id"] for s in httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]
         }
         assert ids == {f"cache_key:{key_a}", f"cache_key:{key_b}", sid}
+
+
+@pytest.mark.sglang
+def test_a_sliding_window_client_is_one_spliced_session(leyline_server: str) -> None:
+    """An unnamed client that drops its oldest exchange every turn (system prompt kept): one
+    session; once the window is full each turn splices the dropped exchange out and prefills
+    only its new tail (before: a new session, a cold prefill, every turn)."""
+    from test_proxy_identity import window_turns
+
+    turns = window_turns(6, keep=2, lines=30)
+    plans = expected_plans("none", turns)
+    with serve_proxy(leyline_server, "none") as proxy:
+        usage = run_turns(openai_client(proxy), turns)
+        [summary] = httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]
+        detail = session_detail(proxy, summary["id"])
+    assert summary["source"] == "prefix" and summary["turns"] == 6
+    records = detail["records"]
+    print("\nsliding window: prompt/cached/prefilled per turn",
+          [(p, c, r["prefilled_tokens"]) for (p, c), r in zip(usage, records, strict=True)])  # fmt: skip
+    for t, ((prompt, cached), plan, rec) in enumerate(zip(usage, plans, records, strict=True)):
+        assert prompt == len(plan.tokens) and not rec["render_mismatch"]
+        if t >= 3:  # the window is full: the oldest exchange dropped, spliced out
+            assert rec["spliced"] and rec["splice_error"] is None, (t, rec)
+        if t >= 1:
+            assert cached == prompt - len(plan.tail), (t, prompt, cached, len(plan.tail))

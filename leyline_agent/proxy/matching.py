@@ -19,38 +19,59 @@ if TYPE_CHECKING:
 MIN_SHARED = 0.5
 
 
+def window(forms: Sequence[Any], incoming: Sequence[Any], n: int) -> int | None:
+    """Where the session's kept messages start when ``incoming`` is its history with messages
+    ``forms[n:j]`` dropped after the ``n`` shared leading ones (a sliding window: an agent that
+    drops its oldest turns, keeping its system prompt) and at least one new message after the
+    kept ones: the smallest such ``j`` (None: no window)."""
+    if n >= len(incoming):
+        return None
+    for j in range(n + 1, len(forms)):
+        kept = len(forms) - j
+        if n + kept < len(incoming) and forms[j] == incoming[n]:
+            if all(forms[j + i] == incoming[n + i] for i in range(1, kept)):
+                return j
+    return None
+
+
 def best_match(
     candidates: Sequence[ProxySession],
     messages: Sequence[Mapping[str, Any]],
     min_shared: float = MIN_SHARED,
 ) -> ProxySession | None:
-    """The session of ``candidates`` (anonymous, same tenant and salt, no turn in flight) that
-    the request ``messages`` continues, if any.
+    """The session of ``candidates`` (same tenant, scope and salt, no turn in flight) that the
+    request ``messages`` continues, if any.
 
-    A candidate qualifies only when its committed history is *shorter* than the request (a
-    session that has already reached this request's length took an equal request before: the
-    request is another run of the same agent, never merged into it). The candidate sharing the
-    longest leading run of messages (measured in characters) wins, an exact prefix before an
-    edited history; an edited history (the agent rewrote an earlier message) qualifies only when
-    the shared part is at least ``min_shared`` of the session's history. A tie means identical
-    histories (two runs of one agent in lockstep): it goes to the least recently used, so runs
-    that alternate turns keep their own sessions.
+    A candidate qualifies when its committed history is *shorter* than the request (a session
+    that has already reached this request's length took an equal request before: the request is
+    another run of the same agent, never merged into it), or when the request is its history as
+    a sliding window (``window``: oldest messages dropped after the shared leading ones, at least
+    one new message after the kept ones; any length). The candidate sharing the most (measured
+    in characters: the leading run, plus the kept run of a window) wins, an exact prefix before
+    an edited history; an edited history (the agent rewrote or dropped an earlier message)
+    qualifies only when the shared part is at least ``min_shared`` of the session's history. A
+    tie means identical histories (two runs of one agent in lockstep): it goes to the least
+    recently used, so runs that alternate turns keep their own sessions.
     """
     incoming: list[dict[str, Any]] | None = None
     best: tuple[tuple[int, bool, float], ProxySession] | None = None
     for s in candidates:
-        if not 0 < len(s.core.messages) < len(messages):
+        if not s.core.messages:
             continue
         if incoming is None:
             incoming = [match_form(m) for m in messages]
         forms, sizes = s.committed_form()
         n = shared(forms, incoming)
-        if n == 0:
-            continue
         exact = n == len(forms)
-        if not exact and sizes[n - 1] < min_shared * sizes[-1]:
+        common = sizes[n - 1] if n else 0
+        j = None if exact else window(forms, incoming, n)
+        if j is not None:
+            common += sizes[-1] - sizes[j - 1]
+        elif len(forms) >= len(incoming) or n == 0:
             continue
-        rank = (sizes[n - 1], exact, -s.last_used)
+        if not exact and common < min_shared * sizes[-1]:
+            continue
+        rank = (common, exact, -s.last_used)
         if best is None or rank > best[0]:
             best = (rank, s)
     return None if best is None else best[1]
