@@ -269,3 +269,23 @@ def test_a_tokenizer_without_line_cuts_encodes_changed_pieces_whole(renderer: Re
         got, want = inc.render(msgs, TOOLS), plain.render(msgs, TOOLS)
         assert (got.text, got.tokens, got.spans) == (want.text, want.tokens, want.spans)
     assert inc.stats == {"windowed": 0, "window_fallbacks": 0}
+
+
+def test_first_message_edited_with_others(renderer: Renderer) -> None:
+    """The first message's content changed together with message 1 or 2 (rendered in full),
+    with messages dropped at the end, or with its role changed (not a head edit)."""
+    inc = IncrementalRenderer(renderer)
+    base = [{"role": "system", "content": report(0, 150)}, {"role": "user", "content": "Go."}]
+    base += [m for k in range(4) for m in step(k)]
+    cases = [
+        base,
+        [{**base[0], "content": report(1, 150)}, {"role": "user", "content": "Now."}, *base[2:]],
+        [{**base[0], "content": report(2, 150)}, base[1], {**base[2], "content": "x"}, *base[3:]],
+        [{**base[0], "content": report(3, 150)}, *base[1:-2]],
+        [{"role": "user", "content": report(3, 150)}, *base[1:]],
+        base,
+    ]
+    for msgs in cases:
+        for tools in (None, TOOLS):
+            got, want = inc.render(msgs, tools), renderer.render(msgs, tools)
+            assert (got.text, got.tokens, got.spans) == (want.text, want.tokens, want.spans)

@@ -141,7 +141,7 @@ class IncrementalRenderer:
             self._remember(best, best)
             return best.rendered
         found, need, pos, start = [], [], [0], 0
-        if best is not None and head:
+        if best is not None and head and m >= 3:  # (with m < 3 the list is rendered in full)
             w = [messages[0], *best.messages[1:3]]
             old_text, old_raw = splice_head(
                 best.text, best.raw, *self._head_window(w, tools_l, add_generation_prompt)

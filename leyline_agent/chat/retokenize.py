@@ -272,7 +272,11 @@ def line_cuts(tokenizer: Tokenizer) -> bool:
     """Whether line cuts are safe for ``tokenizer`` (see module docstring; decided once)."""
     hit = _SAFE.get(id(tokenizer))
     if hit is None or hit[0] is not tokenizer:
-        hit = _SAFE[id(tokenizer)] = (tokenizer, _line_cuts(tokenizer))
+        try:
+            safe = _line_cuts(tokenizer)
+        except Exception:  # noqa: BLE001 - a tokenizer the screen cannot read gets no line cuts
+            safe = False
+        hit = _SAFE[id(tokenizer)] = (tokenizer, safe)
     return hit[1]
 
 
