@@ -253,17 +253,22 @@ _MAX_CELLS = (
 )  # old x new tokens of a changed run matched token by token (more: trimmed only)
 
 
-def _changes(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int, int]]:
+def _changes(
+    old: Sequence[int], new: Sequence[int], whole: bool = True
+) -> list[tuple[int, int, int, int]] | None:
     """``(old_start, old_end, new_start, new_end)`` of what differs between ``old`` and ``new``:
     the common prefix and suffix trimmed, then, for a run small enough, difflib's opcodes on the
-    token ids (autojunk off), changes fewer than ``_MIN_KEEP`` equal tokens apart joined."""
+    token ids (autojunk off), changes fewer than ``_MIN_KEEP`` equal tokens apart joined. A run
+    too big to match: one change (None unless ``whole``)."""
     k = _common_prefix(old, new)
     k2 = _common_suffix(old, new, min(len(old), len(new)) - k)
     a, b, c, d = k, len(old) - k2, k, len(new) - k2
     if a == b and c == d:
         return []
-    if a == b or c == d or (b - a) * (d - c) > _MAX_CELLS:
+    if a == b or c == d:
         return [(a, b, c, d)]
+    if (b - a) * (d - c) > _MAX_CELLS:
+        return [(a, b, c, d)] if whole else None
     out: list[tuple[int, int, int, int]] = []
     ops = difflib.SequenceMatcher(None, old[a:b], new[c:d], autojunk=False).get_opcodes()
     for tag, i1, i2, j1, j2 in ops:
@@ -279,8 +284,9 @@ def _changes(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int
 def _directives(old: list[int], new: list[int], regions: list[_Region]) -> list[Directive]:
     """The directives of each run of consecutive changed regions: the tokens that differ
     (``_changes``), so that changes to several messages (a template dropping think blocks from
-    every earlier turn) stay apart however the spans fell; directives that touch merge. A
-    directive's mode is the strongest of the changed regions it touches."""
+    every earlier turn) stay apart however the spans fell (a run too big to match as one: region
+    by region); directives that touch merge. A directive's mode is the strongest of the changed
+    regions it touches."""
     out: list[Directive] = []
     i = 0
     while i < len(regions):
@@ -292,8 +298,19 @@ def _directives(old: list[int], new: list[int], regions: list[_Region]) -> list[
             j += 1
         run = regions[i:j]
         a, c = run[0].old_start, run[0].new_start
-        for s, e, s2, e2 in _changes(old[a : run[-1].old_end], new[c : run[-1].new_end]):
-            s, e, s2, e2 = s + a, e + a, s2 + c, e2 + c
+        changes = _changes(old[a : run[-1].old_end], new[c : run[-1].new_end], whole=False)
+        if changes is not None:
+            found = [(s + a, e + a, s2 + c, e2 + c) for s, e, s2, e2 in changes]
+        else:  # too big to match as one run: region by region
+            found = []
+            for r in run:
+                for s, e, s2, e2 in (
+                    _changes(old[r.old_start : r.old_end], new[r.new_start : r.new_end]) or []
+                ):
+                    found.append(
+                        (s + r.old_start, e + r.old_start, s2 + r.new_start, e2 + r.new_start)
+                    )
+        for s, e, s2, e2 in found:
             mode = _strongest(
                 [
                     r.mode

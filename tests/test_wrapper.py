@@ -331,3 +331,43 @@ def test_random_agent_edits_are_exact(
     msgs = [m for i, m in enumerate(msgs) if i not in drops or i == 0]
     plan = run(w, msgs)
     assert all(d.mode is Mode.AMORTIZE for d in plan.directives)
+
+
+def test_template_edits_to_several_messages_stay_apart_whatever_the_spans(
+    renderer: Renderer,
+) -> None:
+    """Three small deletions in three messages the messages do not explain (a template dropping
+    think blocks once a follow-up comes) are three directives, also when the new spans fall
+    wrongly (every inner boundary shifted), and also when the run is too big to match as one
+    (then region by region)."""
+    from leyline_agent import diff as diff_module
+    from leyline_agent.chat.spans import Rendered
+
+    msgs = conversation(3)
+    old = renderer.render(msgs)
+    cuts = [(s + 2, s + 7) for s, _ in (old.spans[2], old.spans[4], old.spans[6])]
+    tokens = list(old.tokens)
+    for s, e in reversed(cuts):
+        del tokens[s:e]
+
+    def moved(p: int) -> int:
+        return p - sum(min(e, p) - s for s, e in cuts if s < p)
+
+    exact = [(moved(s), moved(e)) for s, e in old.spans]  # the new tokens' true spans
+    shifted = [(s + 3 * (k > 0), e + 3 * (k < len(exact) - 1)) for k, (s, e) in enumerate(exact)]
+    for spans in (shifted, exact):
+        new = Rendered(tokens, spans)
+        d = diff_rendered(msgs, old, msgs, new)
+        assert [(x.start, x.end, x.replacement) for x in d.directives] == [
+            (s, e, ()) for s, e in cuts
+        ]
+        assert apply_directives(old.tokens, d.directives) + d.tail == tokens and d.fallback
+    small = diff_module._MAX_CELLS  # noqa: SLF001
+    try:
+        diff_module._MAX_CELLS = 16  # noqa: SLF001
+        d = diff_rendered(msgs, old, msgs, Rendered(tokens, exact))
+        assert [(x.start, x.end) for x in d.directives] == cuts
+        d = diff_rendered(msgs, old, msgs, Rendered(tokens, shifted))  # exact, if not minimal
+        assert apply_directives(old.tokens, d.directives) + d.tail == tokens
+    finally:
+        diff_module._MAX_CELLS = small  # noqa: SLF001
