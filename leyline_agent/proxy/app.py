@@ -25,7 +25,8 @@ Sharing (``share_exact``, default on): a session's requests use its tenant's sha
 until its first splice, then its own (``placement.py``). Pins and forks: ``retention.py``.
 
 ``POST /v1/responses`` and ``GET``/``DELETE /v1/responses/{id}``: the Responses API over the same
-turn (``openai_responses.py``). Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
+turn (``openai_responses.py``); ``POST /v1/messages`` and ``/v1/messages/count_tokens``:
+Anthropic's Messages API (``anthropic_messages.py``). Other routes: ``GET /v1/models`` (forwarded), ``GET /leyline/sessions``,
 ``GET /leyline/sessions/{id}``, ``DELETE /leyline/sessions/{id}`` (end a session: its pins are
 released; 409 while a turn is in flight), ``GET /metrics`` (Prometheus text), ``GET /health``;
 every other route is forwarded to the backend as is (``LeylineProxy.forward``: completions in the
@@ -48,6 +49,7 @@ from fastapi.responses import JSONResponse
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.policies import Policy, parse_policy
 from leyline_agent.proxy import metrics
+from leyline_agent.proxy.anthropic_messages import add_routes as add_message_routes
 from leyline_agent.proxy.auth import ApiKeys, AuthMiddleware, tenant_of
 from leyline_agent.proxy.backends import DEFAULT_HEALTH_INTERVAL, BackendPool
 from leyline_agent.proxy.chat import chat_completions
@@ -88,7 +90,7 @@ class LeylineProxy:
         # the first backend's: /v1/models and the context length (every backend serves one model)
         self.backend_url = self.pool.first.url
         self.client, self.http = self.pool.first.client, self.pool.first.http
-        renderer = load_renderer(model_path)
+        self.renderer = renderer = load_renderer(model_path)
 
         def new_core(key: SessionKey, cache_salt: str | None) -> SessionCore:
             wrapper = ConversationWrapper(renderer, policy)
@@ -270,6 +272,7 @@ def create_app(
     app.add_api_route("/metrics", proxy.metrics, methods=["GET"])
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
     add_response_routes(app, proxy)
+    add_message_routes(app, proxy)
     # NOTE: last: every route the proxy does not handle itself goes to the backend as is
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     app.add_api_route("/{path:path}", proxy.forward, methods=methods)
