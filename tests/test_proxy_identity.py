@@ -497,3 +497,38 @@ def test_a_sliding_window_stays_in_one_session() -> None:
     assert reg.resolve(other) is not sessions[0]
     # the same window again (another run, or a retry) is never merged into it
     assert reg.resolve(turns[-1]) is not sessions[0]
+
+
+def test_a_retry_goes_to_the_session_of_its_first_attempt() -> None:
+    """openai-python resends a request after a timeout with ``x-stainless-retry-count: 1``: the
+    retry waits for its first attempt's session (in flight or finished), never a second
+    session; without the count an identical request is another run of the agent, as before."""
+    import asyncio
+
+    from leyline_agent.proxy.identity import session_keys
+
+    assert session_keys({}, {"x-stainless-retry-count": "1"}).retry
+    assert not session_keys({}, {"x-stainless-retry-count": "0"}).retry
+    assert not session_keys({}, {"x-stainless-retry-count": "x"}).retry
+    m = agent_conversation()[-1]
+    reg = SessionRegistry(_core)
+    s = reg.resolve(m[:2], user="u")
+    _commit(s, m[:2])
+    first = reg.resolve(m[:4], user="u")
+    assert first is s
+
+    async def in_flight() -> tuple[Any, Any]:
+        await s.lock.acquire()  # the first attempt's turn is in flight
+        try:
+            retried = reg.resolve(m[:4], retry=True, user="u")
+            return retried, reg.resolve(m[:4], retry=True)  # (another scope)
+        finally:
+            s.lock.release()
+
+    retried, anon = asyncio.run(in_flight())
+    assert retried is s and anon is not s
+    _commit(s, m[:4])  # the first attempt finished
+    assert reg.resolve(m[:4], retry=True, user="u") is s
+    other = reg.resolve(m[:4], user="u")  # no retry count: another run of the agent
+    assert other is not s and other.scope == "u"
+    assert reg.resolve(m[:6], retry=True, user="u") is s  # a retry nothing matches: as usual

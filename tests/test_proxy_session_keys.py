@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from starlette.datastructures import Headers
 from test_proxy import (
@@ -54,7 +55,7 @@ def test_session_keys_of_a_request() -> None:
     odd = {"prompt_cache_key": 7, "user": ""}
     assert session_keys(odd, Headers({SESSION_HEADER: ""})) == SessionKeys(None, None, None)
     keys = session_keys(body, {})._asdict()
-    assert keys == {"header": None, "cache_key": "conv-9", "user": "u-1"}
+    assert keys == {"header": None, "cache_key": "conv-9", "user": "u-1", "retry": False}
 
 
 BAD = "bytes \udcff here"  # what json.dumps writes as "\udcff" for surrogateescape'd bytes
@@ -308,3 +309,40 @@ def test_a_sliding_window_client_is_one_spliced_session(leyline_server: str) -> 
             assert rec["spliced"] and rec["splice_error"] is None, (t, rec)
         if t >= 1:
             assert cached == prompt - len(plan.tail), (t, prompt, cached, len(plan.tail))
+
+
+@pytest.mark.sglang
+def test_a_retry_after_a_timeout_is_one_session_and_one_splice(leyline_server: str) -> None:
+    """The real openai client times out on an edited turn and sends it again (its own retry,
+    ``x-stainless-retry-count: 1``): the retry waits for the first attempt's session and repeats
+    the turn as a full hit, without a splice (before: a second session, its history re-prefilled
+    cold, and the agent's later turns split between the two)."""
+    import time
+
+    turns = agent_conversation()
+    plans = expected_plans(POLICY, turns)
+    assert not plans[2].directives and plans[3].directives  # turn 3 is edited: it splices
+    with serve_proxy(leyline_server, POLICY) as proxy:
+        run_turns(openai_client(proxy), turns[:3])
+        hasty = openai.OpenAI(base_url=proxy + "/v1", api_key="unused", max_retries=1, timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            hasty.chat.completions.create(
+                model="default", messages=turns[3], tools=TOOLS, max_tokens=400, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while True:
+            sessions = httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]
+            if sum(s["turns"] for s in sessions) >= 5 and not any(s["in_flight"] for s in sessions):
+                break
+            assert time.monotonic() < deadline, sessions
+            time.sleep(0.5)
+        [summary] = sessions  # one session: the retry did not start a second one
+        run_turns(openai_client(proxy), turns[4:5])  # the agent goes on in it
+        records = session_detail(proxy, summary["id"])["records"]
+    first, retry, after = records[3], records[4], records[5]
+    assert first["spliced"] and first["directives_amortize"] == len(plans[3].directives)
+    assert retry["prompt_tokens"] == first["prompt_tokens"] == len(plans[3].tokens)
+    assert not retry["spliced"] and retry["directives_amortize"] == 0  # no second splice
+    assert retry["server_cached_tokens"] >= retry["prompt_tokens"] - 1  # a full hit
+    assert after["server_cached_tokens"] == after["prompt_tokens"] - len(plans[4].tail)

@@ -28,6 +28,8 @@ from typing import Any, Literal, NamedTuple
 from leyline_agent.placement import escape, namespace, shared_namespace
 
 SESSION_HEADER = "X-Leyline-Session"
+# NOTE: openai-python and openai-node send the number of earlier attempts of a request
+RETRY_HEADER = "x-stainless-retry-count"
 FORK_HEADER = "X-Leyline-Fork-From"  # a new session's first request: start from this session
 Kind = Literal["header", "cache_key", "user", "anon"]
 
@@ -74,20 +76,25 @@ class SessionKeys(NamedTuple):
     header: str | None = None  # X-Leyline-Session
     cache_key: str | None = None  # the body's prompt_cache_key (Chat Completions, Responses)
     user: str | None = None  # the body's user: an end user, a scope of conversations
+    retry: bool = False  # the client says it sends this request again (RETRY_HEADER >= 1)
 
 
 def session_keys(body: Mapping[str, Any], headers: Mapping[str, str]) -> SessionKeys:
     """The session keys of a request: its ``X-Leyline-Session`` header (``headers`` as the
     request's, case-insensitive), and the body's ``prompt_cache_key`` and ``user``; a value that
-    is not a non-empty string counts as absent (SGLang ignores both fields)."""
+    is not a non-empty string counts as absent (SGLang ignores both fields). ``retry``: the
+    OpenAI clients' ``x-stainless-retry-count`` header is 1 or more (a retry after a timeout or a
+    5xx)."""
 
     def text(value: Any) -> str | None:
         return value if isinstance(value, str) and value else None
 
+    retries = (headers.get(RETRY_HEADER) or "").strip()
     return SessionKeys(
         text(headers.get(SESSION_HEADER)),
         text(body.get("prompt_cache_key")),
         text(body.get("user")),
+        retries.isdigit() and int(retries) >= 1,
     )
 
 

@@ -13,6 +13,11 @@ tenant is the caller's (see ``auth.py``; ``default`` without keys). A request's 
    named by the user and a random conversation id) or, without one, anonymous;
 4. otherwise a new session in that scope (kind ``user``, or ``anon`` with a random name).
 
+A retry (``SessionKeys.retry``: the OpenAI clients' retry count, sent again after a timeout or a
+5xx) without a session key goes, before 3, to the session of its scope whose latest request (in
+flight or finished) had exactly its messages: it waits for that turn and repeats it (a full hit,
+no splice), instead of starting a second session beside it.
+
 ``user`` never merges two conversations: a chat front end that sends its user's id on every
 request (LibreChat) gets one session per conversation, not one per user. Named sessions (1, 2)
 are never matched by history, and a user's conversations are matched only within that user.
@@ -73,6 +78,7 @@ class ProxySession:
     backend: str | None = None  # the URL of the backend holding its KV (``backends.py``)
     forked_from: str | None = None  # the public id of the session it was forked from
     pin_error: PinError | None = None  # the last pin attempt, when it was refused
+    requested: Sequence[Mapping[str, Any]] | None = None  # the messages of its latest request
     # the committed messages last seen by committed_form(), their match forms, cumulative sizes
     _seen: list[dict[str, Any]] | None = field(default=None, repr=False)
     _form: tuple[list[dict[str, Any]], list[int]] = field(
@@ -119,6 +125,7 @@ class ProxySession:
             "private": self.core.placement.private,
             "forked_from": self.forked_from,
             "pin": self.pin(),
+            "pins": self.pins(),
             "pin_error": self.pin_error._asdict() if self.pin_error else None,
             "backend": self.backend,
             "source": self.source,
@@ -130,13 +137,19 @@ class ProxySession:
         }
 
     def pin(self) -> dict[str, Any] | None:
-        """The session's own pin: its id, prefix length, TTL and expiry (Unix time); not the
-        server-wide ``pinned_slots`` of the pin's answer."""
+        """The session's own pin of the longest prefix (its last breakpoint's), not expired: its
+        id, prefix length, TTL and expiry (Unix time); not the server-wide ``pinned_slots`` of
+        the pin's answer. Every pin: ``pins``."""
         p = self.core.pins.pinned
         if p is None:
             return None
         return {"pin_id": p.pin_id, "pinned_tokens": p.pinned_tokens, "ttl_s": p.ttl_s,
                 "expires_at": p.expires_at}  # fmt: skip
+
+    def pins(self) -> list[dict[str, Any]]:
+        """The session's pins not expired, one per breakpoint, by prefix length (as ``pin``)."""
+        return [{"pin_id": p.pin_id, "pinned_tokens": p.pinned_tokens, "ttl_s": p.ttl_s,
+                 "expires_at": p.expires_at} for p in self.core.pins.live()]  # fmt: skip
 
     def detail(self) -> dict[str, Any]:
         """The summary plus every turn's record (``GET /leyline/sessions/{id}``)."""
@@ -185,13 +198,14 @@ class SessionRegistry:
         header: str | None = None,
         cache_key: str | None = None,
         user: str | None = None,
+        retry: bool = False,
         tenant: str = DEFAULT_TENANT,
         cache_salt: str | None = None,
         fresh: bool = False,
     ) -> ProxySession:
         """The session a request belongs to (created if needed); see the module docstring.
 
-        ``header``, ``cache_key``, ``user``: the request's ``SessionKeys`` (pass
+        ``header``, ``cache_key``, ``user``, ``retry``: the request's ``SessionKeys`` (pass
         ``**session_keys(body, headers)._asdict()``). ``cache_salt`` is the salt a new session
         starts with and the one a match by history requires; a named session's salt is set by
         its turn (``SessionCore.set_cache_salt``). ``fresh``: a request without a session key
@@ -204,7 +218,11 @@ class SessionRegistry:
                 source: Source = "header" if key.kind == "header" else "cache_key"
                 session = self._sessions.get(key) or self._add(key, source, cache_salt)
             else:
-                found = None if fresh else self._match(messages, tenant, cache_salt, user)
+                found = None
+                if retry and not fresh:
+                    found = self._retried(messages, tenant, cache_salt, user)
+                if found is None and not fresh:
+                    found = self._match(messages, tenant, cache_salt, user)
                 if found is None and user:
                     new = SessionKey(tenant, "user", user, uuid.uuid4().hex)
                     found = self._add(new, "user", cache_salt)
@@ -212,6 +230,7 @@ class SessionRegistry:
                     SessionKey(tenant, "anon", uuid.uuid4().hex), "new", cache_salt
                 )
             session.last_used = time.monotonic()
+            session.requested = messages
             dropped, self._dropped = self._dropped, []
         self._notify(dropped)
         return session
@@ -231,10 +250,11 @@ class SessionRegistry:
         header: str | None = None,
         cache_key: str | None = None,
         user: str | None = None,
+        retry: bool = False,
         tenant: str = DEFAULT_TENANT,
     ) -> ProxySession | None:
         """The live session a request's session key (header, ``prompt_cache_key``) names, if
-        any; ``user`` alone names no session (it is a scope)."""
+        any; ``user`` alone names no session (it is a scope), nor does ``retry``."""
         key = self._named_key(SessionKeys(header, cache_key, user), tenant)
         if key is None:
             return None
@@ -278,6 +298,30 @@ class SessionRegistry:
         if session is not None and session.source == "new":
             session.source = "prefix"
         return session
+
+    def _retried(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str,
+        cache_salt: str | None,
+        user: str | None,
+    ) -> ProxySession | None:
+        """The session of this scope and salt whose latest request (in flight or finished) had
+        exactly these messages (the most recently used of them), if any."""
+        incoming: list[dict[str, Any]] | None = None
+        best: ProxySession | None = None
+        for s in self._sessions.values():
+            if s.named or s.scope != user or s.tenant != tenant or s.requested is None:
+                continue
+            if s.core.placement.salt != cache_salt or len(s.requested) != len(messages):
+                continue
+            if best is not None and s.last_used <= best.last_used:
+                continue
+            if incoming is None:
+                incoming = [match_form(m) for m in messages]
+            if [match_form(m) for m in s.requested] == incoming:
+                best = s
+        return best
 
     def _add(self, key: SessionKey, source: Source, cache_salt: str | None) -> ProxySession:
         """A new session; ``source`` is how it was found (a named key's kind, or ``new``)."""
