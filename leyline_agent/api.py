@@ -11,7 +11,7 @@ from typing import Any
 from leyline_agent.accounting import TurnRecord
 from leyline_agent.chat.render import Renderer
 from leyline_agent.chat_turn import complete, prepare
-from leyline_agent.client import LeylineClient, PinRejected
+from leyline_agent.client import LeylineClient
 from leyline_agent.markers import DEFAULT_TTL_S
 from leyline_agent.placement import DEFAULT_SHARED_NAMESPACE
 from leyline_agent.retention import fork
@@ -41,9 +41,10 @@ class LeylineSession:
             from the first request.
         shared_namespace: default ``leyline:default:shared``, the proxy's tenant ``default``.
 
-    Messages may carry Anthropic-style ``cache_control`` markers: after the turn the prompt up to
-    the last marked message is pinned (``pin``); a refused pin never fails the turn
-    (``pin_error``). ``fork()`` starts a sub-agent from this session; ``close()`` releases the
+    Messages and tools may carry Anthropic-style ``cache_control`` markers (at most 4): after the
+    turn the prompt up to each marked message (or the tools) is pinned for that marker's own TTL
+    (``SessionPins.pin_marked``: one pin per breakpoint, renewed when marked again, released when
+    no longer marked); a refused pin never fails the turn (``pin_error``: the last refusal). ``fork()`` starts a sub-agent from this session; ``close()`` releases the
     session's pins.
     """
 
@@ -97,14 +98,15 @@ class LeylineSession:
 
     def pin(self, end: int | None = None, ttl_s: float = DEFAULT_TTL_S) -> PinResponse:
         """Keep the first ``end`` held tokens (None: all) resident for ``ttl_s`` seconds
-        (``SessionPins.pin``; one pin per session, renewed). Raises ``PinRejected``, or
+        (``SessionPins.pin``: the session's pin of that prefix, renewed; its pins of other
+        prefixes stay). Raises ``PinRejected``, or
         ``ValueError`` when nothing is held."""
         return self.core.pins.pin(self.core.wrapper.tokens[:end], ttl_s=ttl_s)
 
     def close(self) -> None:
         """Release the session's pins; close the HTTP client when this session made it."""
         try:
-            if self.core.pins.pinned is not None:
+            if self.core.pins.pins:
                 self.core.pins.release()
         finally:
             if self._owns_client:
@@ -150,16 +152,16 @@ class LeylineSession:
         r.raise_for_status()
         data = r.json()
         complete(self.core, turn, data, request_ms=request_ms, prompt_ids=turn.prompt_ids(data))
-        marker = turn.marker
-        if marker is not None:
+        for marker in turn.markers:
             if marker.ttl_note is not None:  # NOTE: clamped to 24 h, or invalid: the default
                 log.warning(
                     "session %s: cache_control ttl %r %s: pinned for %g s",
                     self.core.session_id, marker.ttl, marker.ttl_note, marker.ttl_s,
                 )  # fmt: skip
-            try:
-                self.pin_error = None
-                self.core.pins.pin_marked(self.core.wrapper.tokens, turn.pending.plan, marker)
-            except PinRejected as e:
-                self.pin_error = str(e)
+        if turn.markers:
+            outcome = self.core.pins.pin_marked(
+                self.core.wrapper.tokens, turn.pending.plan, turn.markers,
+                self.core.wrapper.renderer.decode,
+            )  # fmt: skip
+            self.pin_error = str(outcome.refused[-1]) if outcome.refused else None
         return data

@@ -33,7 +33,8 @@ from leyline_agent.chat.request import (
     request_error,
     template_kwargs,
 )
-from leyline_agent.markers import Marker, cache_marker
+from leyline_agent.markers import Marker, breakpoint_error, cache_markers
+from leyline_agent.policies.protocol import Policy
 from leyline_agent.session import Pending, SessionCore
 
 
@@ -44,7 +45,8 @@ class RequestRefused(ValueError):
 @dataclass
 class ChatTurn:
     """A prepared chat turn: the session's pending turn, the body to send, and what the client
-    sent (its messages, tools and ``cache_control`` marker)."""
+    sent (its messages, tools and ``cache_control`` breakpoints: ``markers``, in prompt order;
+    ``marker``, the last of them)."""
 
     pending: Pending
     body: dict[str, Any]
@@ -52,6 +54,7 @@ class ChatTurn:
     tools: Sequence[Any] | None
     marker: Marker | None
     keep_ids: bool = False  # the client asked for the prompt token ids itself
+    markers: Sequence[Marker] = ()
 
     def prompt_ids(self, data: dict[str, Any]) -> list[int] | None:
         """The backend's prompt token ids of a non-streamed answer, removed from ``data``
@@ -61,15 +64,22 @@ class ChatTurn:
 
 def request_refusal(body: Any) -> str | None:
     """Why the backend would refuse this chat body with a 400 before templating (None: it may
-    not): ``chat.request.request_error`` and a ``cache_salt`` that is not a string."""
+    not): ``chat.request.request_error``, a ``cache_salt`` that is not a string, and more
+    ``cache_control`` breakpoints than Anthropic allows (``markers.breakpoint_error``)."""
     refused = request_error(body)
+    if refused is None:
+        refused = breakpoint_error(body["messages"], body.get("tools"))
     if refused is None and not isinstance(body.get("cache_salt") or "", str):
         refused = "'cache_salt' must be a string"
     return refused
 
 
 def prepare(
-    core: SessionCore, body: Mapping[str, Any], *, context_len: int | None = None
+    core: SessionCore,
+    body: Mapping[str, Any],
+    *,
+    context_len: int | None = None,
+    policy: Policy | None = None,
 ) -> ChatTurn:
     """Check, plan and splice one chat-completions ``body`` (OpenAI's, with SGLang's extras).
 
@@ -78,6 +88,8 @@ def prepare(
         body: the client's request; ``stream`` asks for a streamed answer (the body to send then
             asks for usage and the prompt ids in the stream, see ``proxy/relay.py``).
         context_len: the backend's context length (None: unknown, not checked).
+        policy: this turn's own edits after the session's policy (e.g. the context editing an
+            Anthropic request asks for).
 
     Raises:
         RequestRefused: the backend would refuse the request (its message), found before any
@@ -103,8 +115,9 @@ def prepare(
         if continued is not None:
             final, view = view[-1], rest
     pending = core.plan(
-        view, view_tools, template_kwargs=template_kwargs(body), final=final, continued=continued
-    )
+        view, view_tools, template_kwargs=template_kwargs(body), final=final,
+        continued=continued, policy=policy,
+    )  # fmt: skip
     refused = length_error(len(pending.plan.tokens), max_new_tokens(body), context_len)
     if refused is not None:
         raise RequestRefused(refused)
@@ -117,7 +130,9 @@ def prepare(
     else:
         forward["return_prompt_token_ids"] = True
     keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
-    return ChatTurn(pending, forward, messages, tools, cache_marker(messages), keep)
+    markers = cache_markers(messages, tools)
+    last = markers[-1] if markers else None
+    return ChatTurn(pending, forward, messages, tools, last, keep, markers)
 
 
 def complete(

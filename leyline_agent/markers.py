@@ -1,10 +1,16 @@
-"""Anthropic-style ``cache_control`` markers as pins: which prefix of a turn's prompt to keep
+"""Anthropic-style ``cache_control`` markers as pins: which prefixes of a turn's prompt to keep
 resident on the backend (``POST /leyline/pin``), and for how long. Pure Python.
 
-A marker is ``"cache_control": {"type": "ephemeral"}`` with an optional ``"ttl"``, on a message
-or on one of its content parts. A turn pins one prefix: the prompt up to the end of the last
-marked message, for that marker's TTL (``DEFAULT_TTL_S`` without one). The markers never reach
-the chat template (``chat.openai.served_message`` drops them).
+A marker is ``"cache_control": {"type": "ephemeral"}`` with an optional ``"ttl"``, on a message,
+on one of its content parts, or on a tool definition (at its top level or in its ``function``).
+Every marked message is a breakpoint (``cache_markers``): the prompt up to the end of that
+message is pinned for that marker's TTL (``DEFAULT_TTL_S`` without one), each breakpoint with its
+own TTL; a marked tool is one breakpoint for the tools (``TOOLS``: the prompt up to the end of the
+tools' rendering). A message or the tools marked more than once is one breakpoint with the longest
+of its TTLs. As Anthropic's API, a request may carry at most ``MAX_BREAKPOINTS`` (4) marked blocks
+(``breakpoint_error``: refused with a 400 before any splice). The markers never reach the chat
+template (``chat.openai.served_message`` drops them from messages; SGLang's tool model drops them
+from tools).
 
 TTLs (``parse_ttl``): ``"<number><unit>"`` with unit ``s``, ``m``, ``h`` or ``d`` (``"5m"``,
 ``"1h"``, ``"1.5h"``, ``"2d"``), or a bare number, JSON or string, in seconds (``90``,
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from leyline_agent.wire import MAX_PIN_TTL_S
@@ -26,6 +32,8 @@ CACHE_CONTROL = "cache_control"
 DEFAULT_TTL_S = 300.0  # Anthropic's ephemeral default, "5m"
 _TTL = re.compile(r"^\s*([-+]?\d+(?:\.\d*)?|[-+]?\.\d+)\s*([smhd]?)\s*$")
 _UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_BREAKPOINTS = 4  # Anthropic's limit on blocks with cache_control in one request
+TOOLS = -1  # ``Marker.message`` of a marker on the tool definitions
 TtlNote = Literal["clamped", "invalid"]
 
 
@@ -38,8 +46,9 @@ class Ttl(NamedTuple):
 
 
 class Marker(NamedTuple):
-    """The last marked message of a request: its index in the message list, the pin's TTL; the
-    marker's ``ttl`` as sent and the ``Ttl.note`` when it was not taken as it is."""
+    """A breakpoint of a request: the marked message's index in the message list (``TOOLS``:
+    the tool definitions), the pin's TTL; the marker's ``ttl`` as sent and the ``Ttl.note``
+    when it was not taken as it is."""
 
     message: int
     ttl_s: float
@@ -74,24 +83,70 @@ def _marker(holder: Any) -> Mapping[str, Any] | None:
     return mark if isinstance(mark, Mapping) and mark.get("type") == "ephemeral" else None
 
 
+def _message_marks(message: Any) -> list[Mapping[str, Any]]:
+    """Every ephemeral marker of a message: its own, then its content parts' in order."""
+    marks = [m] if (m := _marker(message)) is not None else []
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if isinstance(content, list):
+        marks += [m for part in content if (m := _marker(part)) is not None]
+    return marks
+
+
+def _tool_marks(tools: Any) -> list[Mapping[str, Any]]:
+    """Every ephemeral marker of the tool definitions (a tool's own or its ``function``'s)."""
+    marks: list[Mapping[str, Any]] = []
+    for tool in tools if isinstance(tools, list) else ():
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        marks += [m for m in (_marker(tool), _marker(fn)) if m is not None]
+    return marks
+
+
 def message_marker(message: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The message's own ephemeral marker, else its last content part's that has one."""
-    found = _marker(message)
-    content = message.get("content")
-    if isinstance(content, list):
-        for part in content:
-            found = _marker(part) or found
-    return found
+    marks = _message_marks(message)
+    return marks[-1] if marks else None
+
+
+def _breakpoint(index: int, marks: Sequence[Mapping[str, Any]]) -> Marker:
+    """One breakpoint from its markers: the longest TTL (the first one of it)."""
+    best: Marker | None = None
+    for mark in marks:
+        ttl = parse_ttl(mark.get("ttl"))
+        if best is None or ttl.seconds > best.ttl_s:
+            best = Marker(index, ttl.seconds, mark.get("ttl"), ttl.note)
+    assert best is not None
+    return best
+
+
+def marker_count(messages: Sequence[Any], tools: Any = None) -> int:
+    """Blocks carrying an ephemeral marker: messages, content parts, tool definitions."""
+    return len(_tool_marks(tools)) + sum(len(_message_marks(m)) for m in messages)
+
+
+def breakpoint_error(messages: Sequence[Any], tools: Any = None) -> str | None:
+    """Anthropic's refusal (400) of more than ``MAX_BREAKPOINTS`` marked blocks; None: fine."""
+    found = marker_count(messages, tools)
+    if found <= MAX_BREAKPOINTS:
+        return None
+    return (
+        f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {found}."
+    )
+
+
+def cache_markers(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[Marker]:
+    """Every breakpoint, in prompt order: the tools (``TOOLS``) when a tool is marked, then each
+    marked message; each with the longest TTL among its markers."""
+    out = [_breakpoint(TOOLS, marks)] if (marks := _tool_marks(tools)) else []
+    for i, message in enumerate(messages):
+        if marks := _message_marks(message):
+            out.append(_breakpoint(i, marks))
+    return out
 
 
 def cache_marker(messages: Sequence[Mapping[str, Any]]) -> Marker | None:
     """The last message carrying an ephemeral ``cache_control`` marker, with its TTL."""
-    for i in range(len(messages) - 1, -1, -1):
-        mark = message_marker(messages[i])
-        if mark is not None:
-            ttl = parse_ttl(mark.get("ttl"))
-            return Marker(i, ttl.seconds, mark.get("ttl"), ttl.note)
-    return None
+    found = cache_markers(messages)
+    return found[-1] if found else None
 
 
 def strip_markers(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,3 +172,28 @@ def marked_end(spans: Sequence[tuple[int, int]], sources: Sequence[int], index: 
         if source <= index:
             end = stop
     return end
+
+
+def tools_end(
+    tokens: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    tools: Sequence[Any] | None,
+    decode: Callable[[Sequence[int]], str],
+) -> int:
+    """Prompt tokens up to the end of the tools' rendering (a ``TOOLS`` breakpoint): the end of
+    the first piece of the prompt, the template's preamble (before ``spans[0]``) then each
+    message's span, whose text holds the last tool's name. That is the preamble for a template
+    that renders the tools before the first message (the embedded ChatML one without a system
+    message: its default system block), the system message for one that renders them inside it
+    (ChatML with a system message), the first user message for one that renders them there. 0:
+    no tool rendered, or its name found nowhere."""
+    last = tools[-1] if tools else None
+    fn = last.get("function") if isinstance(last, Mapping) else None
+    holder = fn if isinstance(fn, Mapping) else last if isinstance(last, Mapping) else {}
+    name = holder.get("name")
+    if not isinstance(name, str) or not name or not spans:
+        return 0
+    for start, stop in [(0, spans[0][0]), *spans]:
+        if stop > start and name in decode(tokens[start:stop]):
+            return stop
+    return 0

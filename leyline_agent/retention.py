@@ -1,8 +1,18 @@
-"""What a session keeps beyond its turns: its one pin (``SessionPins``) and forks (``fork``).
+"""What a session keeps beyond its turns: its pins (``SessionPins``) and forks (``fork``).
 
-- **Pin**: ``POST /leyline/pin`` keeps a held prefix resident for a TTL, in the session's request
+- **Pins**: ``POST /leyline/pin`` keeps a held prefix resident for a TTL, in the session's request
   namespace, owned by its own namespace (so ``release`` frees every pin of the session). A session
-  keeps one pin: a new one is made first, then the previous one released (``replaced``).
+  keeps one pin per breakpoint (``markers.cache_markers``), keyed by the prefix it covers (its
+  length, the breakpoint's end in the prompt), each with its own TTL: a 1-hour system prompt stays
+  pinned for its hour while the 5-minute marker on the last message moves on. After a marked turn
+  (``pin_marked``) every breakpoint is pinned again: a new pin first, then the previous pin of the
+  same prefix released (a renewal: the TTL starts again, as Anthropic refreshes a cache entry on
+  use); then the session's pins of prefixes the turn no longer marks are released (both counted
+  in ``replaced``). Released rather than left to expire: a prefix the client stopped marking is
+  one it no longer asks to keep (a moved marker's new prefix covers the old one; after an edit the
+  old prefix is not this session's any more), and its pin would only hold room under the server's
+  cap on pinned slots (429 for every session) and make splices over it copy. A pin past its
+  ``expires_at`` is forgotten (``live``): the server released it.
 - **Fork**: a new session starts from another one's state. A private parent's held tokens are
   copied into the child's own namespace (``POST /leyline/fork``; the child is private from then
   on, so its splices never touch the parent's KV); a shared parent's are already in the shared
@@ -13,11 +23,12 @@ Pure Python (the backend through ``LeylineClient``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from leyline_agent.client import PinRejected
-from leyline_agent.markers import DEFAULT_TTL_S, Marker, marked_end
+from leyline_agent.markers import DEFAULT_TTL_S, TOOLS, Marker, marked_end, tools_end
 from leyline_agent.placement import Placement
 from leyline_agent.wire import ForkResponse, PinResponse
 
@@ -26,59 +37,155 @@ if TYPE_CHECKING:
     from leyline_agent.wrapper import TurnPlan
 
 
+class PinOutcome(NamedTuple):
+    """What ``SessionPins.pin_marked`` did: the pins made (one per breakpoint pinned, new or
+    renewed, by prefix length), the previous pins released (renewed, or no longer marked), the
+    refusals of pins not made (that breakpoint's previous pin, if any, stays until its TTL), and
+    the failed releases of replaced pins (those expire with their TTL)."""
+
+    made: list[PinResponse]
+    replaced: int
+    refused: list[PinRejected]
+    stale: list[PinRejected]
+
+
 class SessionPins:
-    """One session's pin on its backend (module docstring)."""
+    """One session's pins on its backend, one per breakpoint (module docstring).
 
-    def __init__(self, placement: Placement) -> None:
+    Args:
+        placement: where the session's requests go (client, namespaces, salt).
+        clock: Unix time, to tell the pins past their ``expires_at`` (the server's clock).
+    """
+
+    def __init__(self, placement: Placement, clock: Callable[[], float] = time.time) -> None:
         self.placement = placement
-        self.pinned: PinResponse | None = None  # the session's one pin
-        self.replaced = 0  # previous pins ``pin`` released (not those expired first)
+        self.clock = clock
+        self.pins: dict[int, PinResponse] = {}  # by the length of the prefix pinned
+        self.replaced = 0  # previous pins released (renewed, or no longer marked); not expired ones
 
-    def pin(self, tokens: Sequence[int], *, ttl_s: float = DEFAULT_TTL_S) -> PinResponse:
-        """Keep ``tokens`` (a held prefix) resident for ``ttl_s`` seconds.
+    def live(self) -> list[PinResponse]:
+        """The session's pins not expired yet, by prefix length (the expired ones forgotten)."""
+        now = self.clock()
+        for end in [end for end, p in self.pins.items() if p.expires_at <= now]:
+            del self.pins[end]
+        return [self.pins[end] for end in sorted(self.pins)]
 
-        Raises:
-            PinRejected: the backend refused (409 not cached, 422 TTL out of range, 429 the
-                server's cap on pinned slots); the previous pin stays. Or the new pin was made
-                (``pinned`` is it) and releasing the previous one failed: it expires with its
-                TTL.
-            ValueError: ``tokens`` is empty.
-        """
-        if not tokens:
-            raise ValueError("nothing held to pin")
+    @property
+    def pinned(self) -> PinResponse | None:
+        """The live pin of the longest prefix (the last breakpoint's); None: none."""
+        live = self.live()
+        return live[-1] if live else None
+
+    def _unpin(self, old: PinResponse) -> None:
+        """Release ``old`` (counted in ``replaced``); one that expired already is no error."""
+        try:
+            self.replaced += self.placement.client.unpin(old.pin_id)
+        except PinRejected as e:
+            if e.status != 404:  # 404: it expired already
+                raise
+
+    def _renew(self, tokens: Sequence[int], ttl_s: float) -> tuple[PinResponse, PinRejected | None]:
+        """Pin ``tokens`` (the pin of that prefix length from now on), then release the previous
+        pin of the same length; the new pin and the release's failure, if it failed. Raises
+        ``PinRejected`` when the pin is refused (nothing changed)."""
         where = self.placement
         new = where.client.pin(
             list(tokens), ttl_s=ttl_s, extra_key=where.extra_key, cache_salt=where.salt,
             owner=where.own,
         )  # fmt: skip
-        old, self.pinned = self.pinned, new
+        old, self.pins[len(tokens)] = self.pins.get(len(tokens)), new
         if old is not None and old.pin_id != new.pin_id:
             try:
-                self.replaced += where.client.unpin(old.pin_id)
+                self._unpin(old)
             except PinRejected as e:
-                if e.status != 404:  # 404: it expired already
-                    raise
+                return new, e
+        return new, None
+
+    def pin(self, tokens: Sequence[int], *, ttl_s: float = DEFAULT_TTL_S) -> PinResponse:
+        """Keep ``tokens`` (a held prefix) resident for ``ttl_s`` seconds: the session's pin of
+        that prefix, made new (a previous pin of the same prefix is released after it, counted in
+        ``replaced``); the session's pins of other prefixes stay.
+
+        Raises:
+            PinRejected: the backend refused (409 not cached, 422 TTL out of range, 429 the
+                server's cap on pinned slots); the previous pin stays. Or the new pin was made
+                (it is in ``pins``) and releasing the previous one failed: it expires with its
+                TTL.
+            ValueError: ``tokens`` is empty.
+        """
+        if not tokens:
+            raise ValueError("nothing held to pin")
+        new, failed = self._renew(tokens, ttl_s)
+        if failed is not None:
+            raise failed
         return new
 
-    def pin_marked(self, held: Sequence[int], plan: TurnPlan, marker: Marker) -> PinResponse | None:
-        """After a turn: pin the prompt up to the end of the marked message (``marker``: indices
-        of the turn's messages) for its TTL; None when the session does not hold it as planned
-        (``held``: a resync, a failed request) or the policy dropped everything up to it.
-        Raises as ``pin``."""
-        end = marked_end(plan.spans, plan.sources, marker.message)
-        if end == 0 or list(held[:end]) != plan.tokens[:end]:
-            return None
-        return self.pin(held[:end], ttl_s=marker.ttl_s)
+    def breakpoints(
+        self,
+        held: Sequence[int],
+        plan: TurnPlan,
+        markers: Sequence[Marker],
+        decode: Callable[[Sequence[int]], str],
+    ) -> dict[int, float]:
+        """The prefixes a turn's ``markers`` (indices of its messages, or ``TOOLS``) ask to pin:
+        ``{end: ttl_s}`` (the longest TTL where two breakpoints end at the same token). A
+        message's end is ``markers.marked_end``, the tools' ``markers.tools_end`` (``decode``:
+        the renderer's). Left out: an end of 0 (the policy dropped everything up to it, no tool
+        rendered) or one the session does not hold as planned (``held``: a resync, a failed
+        request)."""
+        wanted: dict[int, float] = {}
+        for m in markers:
+            if m.message == TOOLS:
+                end = tools_end(plan.tokens, plan.spans, plan.tools, decode)
+            else:
+                end = marked_end(plan.spans, plan.sources, m.message)
+            if end == 0 or list(held[:end]) != plan.tokens[:end]:
+                continue
+            wanted[end] = max(wanted.get(end, 0.0), m.ttl_s)
+        return wanted
+
+    def pin_marked(
+        self,
+        held: Sequence[int],
+        plan: TurnPlan,
+        markers: Sequence[Marker],
+        decode: Callable[[Sequence[int]], str],
+    ) -> PinOutcome:
+        """After a turn: pin every breakpoint (``breakpoints``) for its own TTL, renewing the
+        session's pin of the same prefix; then, when every one was pinned, release the session's
+        pins of prefixes no longer marked (when one was refused they stay until their TTL, as
+        the refused breakpoint's previous pin does). Refusals are returned, never raised."""
+        wanted = self.breakpoints(held, plan, markers, decode)
+        before = self.replaced
+        made: list[PinResponse] = []
+        refused: list[PinRejected] = []
+        stale: list[PinRejected] = []
+        for end, ttl_s in sorted(wanted.items()):
+            try:
+                new, failed = self._renew(held[:end], ttl_s)
+            except PinRejected as e:
+                refused.append(e)
+                continue
+            made.append(new)
+            if failed is not None:
+                stale.append(failed)
+        if wanted and not refused:
+            for end in sorted(set(self.pins) - set(wanted)):
+                try:
+                    self._unpin(self.pins.pop(end))
+                except PinRejected as e:
+                    stale.append(e)
+        return PinOutcome(made, self.replaced - before, refused, stale)
 
     def release(self) -> int:
         """Release every pin of the session (owner: its own namespace); the number released.
         Raises ``PinRejected``."""
-        self.pinned = None
+        self.pins.clear()
         return self.placement.client.unpin(owner=self.placement.own)
 
     def forget(self) -> None:
-        """The pin stays on a backend the session left (until its TTL)."""
-        self.pinned = None
+        """The pins stay on a backend the session left (until their TTL)."""
+        self.pins.clear()
 
 
 def fork(child: SessionCore, parent: SessionCore) -> ForkResponse | None:

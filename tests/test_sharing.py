@@ -1,9 +1,10 @@
 """Sharing, pins and forks on the agent side, without a server: ``cache_control`` markers
-(``markers.py``), a session's namespaces (shared until its first splice, then its own), its one
-renewed pin, ``adopt`` (a fork), the proxy registry's fresh sessions, ends and drop hook, the
-proxy's pin counters and a session's ``pin``/``pin_error`` record, and how
-``X-Leyline-Fork-From`` and ``/leyline/sessions/{id}`` name a session (the app in front of a dead
-backend). The same behaviours against a real server: ``tests/test_sharing_live.py``."""
+(``markers.py``), a session's namespaces (shared until its first splice, then its own), its pins
+(one per breakpoint; more in ``test_breakpoints.py``), ``adopt`` (a fork), the proxy registry's
+fresh sessions, ends and drop hook, the proxy's pin counters and a session's ``pin``/``pin_error``
+record, and how ``X-Leyline-Fork-From`` and ``/leyline/sessions/{id}`` name a session (the app in
+front of a dead backend). The same behaviours against a real server:
+``tests/test_sharing_live.py``."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class FakeBackend(LeylineClient):
         super().__init__("http://127.0.0.1:9")
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.refuse = refuse
+        self.now = 1000.0  # the server's clock (Unix time): pins expire at now + ttl_s
 
     def splice(self, tokens: Any, directives: Any, **kw: Any) -> SpliceResponse:
         self.calls.append(("splice", kw))
@@ -60,7 +62,8 @@ class FakeBackend(LeylineClient):
         if self.refuse == "pin":
             raise PinRejected(429, "8,107 of 8,192 slots pinned: over the cap")
         return PinResponse(
-            pin_id=f"p{n}", pinned_tokens=len(tokens), ttl_s=kw["ttl_s"], expires_at=0.0,
+            pin_id=f"p{n}", pinned_tokens=len(tokens), ttl_s=kw["ttl_s"],
+            expires_at=self.now + kw["ttl_s"],
             pinned_slots=len(tokens), pin_cap_slots=1000,
         )  # fmt: skip
 
@@ -73,7 +76,10 @@ class FakeBackend(LeylineClient):
 
 
 def _core(client: LeylineClient, sid: str, policy: str = "stale_tool_outputs:keep_last=2"):
-    return SessionCore(client, ConversationWrapper(policy=policy), session_id=sid)
+    core = SessionCore(client, ConversationWrapper(policy=policy), session_id=sid)
+    if isinstance(client, FakeBackend):
+        core.pins.clock = lambda: client.now
+    return core
 
 
 def _turn(core: SessionCore, messages: list[dict[str, Any]]):
@@ -157,23 +163,27 @@ def test_sharing_off_is_the_own_namespace_from_the_first_request() -> None:
 # --- pins -------------------------------------------------------------------------------------
 
 
-def test_one_pin_per_session_renewed_new_first_and_released_by_owner() -> None:
+def test_a_moved_marker_pins_the_new_prefix_first_then_releases_the_old_one() -> None:
     client = FakeBackend()
     core = _core(client, "a", policy="none")
     turns = agent_conversation()
+    decode = core.wrapper.renderer.decode
     pending = _turn(core, turns[0])
-    first = core.pins.pin_marked(core.wrapper.tokens, pending.plan, Marker(0, 60.0))
-    assert first is not None and first.pinned_tokens == pending.plan.spans[0][1]
+    first = core.pins.pin_marked(core.wrapper.tokens, pending.plan, [Marker(0, 60.0)], decode)
+    [made] = first.made
+    assert made.pinned_tokens == pending.plan.spans[0][1] and first.replaced == 0
     pending = _turn(core, turns[1])
-    second = core.pins.pin_marked(
-        core.wrapper.tokens, pending.plan, Marker(len(turns[1]) - 1, 300.0)
-    )
-    assert second is not None and second.pinned_tokens == pending.plan.spans[-1][1]
+    last = Marker(len(turns[1]) - 1, 300.0)
+    second = core.pins.pin_marked(core.wrapper.tokens, pending.plan, [last], decode)
+    [moved] = second.made
+    assert moved.pinned_tokens == pending.plan.spans[-1][1]
+    assert (second.replaced, second.refused, second.stale) == (1, [], [])
     assert client.names() == ["pin", "pin", "unpin"]  # the new one first, then the old one
-    assert client.calls[2][1] == {"pin_id": first.pin_id, "owner": None}
+    assert client.calls[2][1] == {"pin_id": made.pin_id, "owner": None}
     pin = client.calls[1][1]
     assert (pin["owner"], pin["extra_key"], pin["ttl_s"]) == ("leyline:a", core.placement.extra_key,
                                                               300.0)  # fmt: skip
+    assert core.pins.pinned == moved and core.pins.live() == [moved]
     assert core.pins.release() == 1 and core.pins.pinned is None
     assert client.calls[-1] == ("unpin", {"pin_id": None, "owner": "leyline:a"})
 
@@ -276,7 +286,7 @@ def test_proxy_pins_count_replacements_and_ttl_problems_and_show_the_last_refusa
         mark = {"role": "user", "content": "x", "cache_control": {**EPHEMERAL, "ttl": ttl}}
         marker = cache_marker([*turns[i][:-1], mark])
         assert marker is not None
-        asyncio.run(retention.pin_turn(session, pending, marker))
+        asyncio.run(retention.pin_turn(session, pending, [marker]))
 
     with caplog.at_level(logging.WARNING, logger="leyline_agent.proxy.retention"):
         marked_turn(0, "25h")
@@ -287,7 +297,8 @@ def test_proxy_pins_count_replacements_and_ttl_problems_and_show_the_last_refusa
     assert "'25h' is above the maximum" in caplog.text and "'abc' is malformed" in caplog.text
     pin = session.summary()["pin"]
     assert pin == {"pin_id": "p1", "pinned_tokens": client.calls[-2][1]["tokens"].__len__(),
-                   "ttl_s": DEFAULT_TTL_S, "expires_at": 0.0}  # fmt: skip
+                   "ttl_s": DEFAULT_TTL_S, "expires_at": 1000.0 + DEFAULT_TTL_S}  # fmt: skip
+    assert session.summary()["pins"] == [pin]
     assert session.summary()["pin_error"] is None
     client.refuse = "pin"
     marked_turn(2, "5m")

@@ -42,7 +42,7 @@ from leyline_agent.accounting import TurnRecord
 from leyline_agent.chat.request import request_error
 from leyline_agent.chat_turn import ChatTurn, RequestRefused, complete, prepare
 from leyline_agent.directive import DirectiveError
-from leyline_agent.policies import PolicyError
+from leyline_agent.policies import Policy, PolicyError
 from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.backends import Backend
 from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER, public_ids, session_keys
@@ -112,11 +112,11 @@ class ProxyTurn:
                 end.usage, request_ms=end.request_ms, ttft_ms=end.ttft_ms,
                 prompt_ids=end.prompt_ids, error=end.error,
             )  # fmt: skip
-            marker = self.turn.marker
-            if marker is not None and record.error is None:
+            markers = self.turn.markers
+            if markers and record.error is None:
                 retention = self.proxy.retention
                 pending = self.turn.pending
-                retention.spawn(retention.pin_then_release(self.session, pending, marker))
+                retention.spawn(retention.pin_then_release(self.session, pending, markers))
                 pinning = True
         finally:
             if not pinning:
@@ -130,6 +130,7 @@ class ChatView:
     of its ``/metrics`` counters)."""
 
     route = "/v1/chat/completions"
+    policy: Policy | None = None  # this request's own edits after the session's policy
 
     def error(self, status: int, message: str, kind: str, headers: Mapping[str, str]) -> Response:
         """The proxy's own refusal (bad session reference, a policy that cannot apply)."""
@@ -209,7 +210,7 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
         nonlocal turn, t0, handed_over
         try:
             prepared = await anyio.to_thread.run_sync(
-                lambda: prepare(session.core, body, context_len=context_len)
+                lambda: prepare(session.core, body, context_len=context_len, policy=view.policy)
             )
         except (RequestRefused, jinja2.TemplateError) as e:  # what the backend would say
             return view.refused(str(e), headers)
@@ -218,7 +219,7 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
                 400, f"cannot apply the policy: {e}", "invalid_request_error", headers
             )
         turn = ProxyTurn(proxy, session, prepared, view.route)
-        pending, marker = prepared.pending, prepared.marker
+        pending, markers = prepared.pending, prepared.markers
         t0 = time.perf_counter()
         if body.get("stream"):
             req = backend.http.build_request("POST", "/v1/chat/completions", json=prepared.body)
@@ -247,8 +248,8 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
             return view.backend_failed(r, headers)
         data = r.json()
         record = turn.finish(data, request_ms=request_ms, prompt_ids=prepared.prompt_ids(data))
-        if marker is not None and record.error is None:
-            await proxy.retention.pin_turn(session, pending, marker)
+        if markers and record.error is None:
+            await proxy.retention.pin_turn(session, pending, markers)
         return view.answer(data, prepared, headers)
 
     try:

@@ -1,10 +1,12 @@
 """Pins and forks in the proxy: ``cache_control`` markers become pins, ``X-Leyline-Fork-From``
 starts a session from another one, and an ended session's pins are released.
 
-- **Pin** (``pin_turn``): after a turn whose messages carry an ephemeral ``cache_control`` marker
-  (``markers.cache_marker``), the prompt up to the end of the last marked message is pinned on the
-  session's backend for the marker's TTL (300 s by default); one pin per session, renewed every
-  marked turn (the new one first, then the old one released: ``pins_replaced``). A refusal, the
+- **Pin** (``pin_turn``): after a turn whose messages or tools carry ephemeral ``cache_control``
+  markers (``markers.cache_markers``, at most 4), the prompt up to each breakpoint (the end of a
+  marked message, or of the tools) is pinned on the session's backend for that marker's own TTL
+  (300 s by default); one pin per breakpoint, renewed every turn that marks it again (the new one
+  first, then the old one released: ``pins_replaced``), and a pin of a prefix the turn no longer
+  marks released (``pins_replaced`` too; see ``leyline_agent.retention``). A refusal, the
   server's cap on pinned slots (429) included, is logged, counted and shown in the session's
   record (``ProxySession.pin_error``), never an error of the client's request. So is a marker's
   TTL that was not taken as sent (``markers.parse_ttl``): clamped to 24 h, or malformed and the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +44,10 @@ log = logging.getLogger(__name__)
 class RetentionCounters:
     """Pins and forks over every session the proxy served (``/metrics``)."""
 
-    pins: int = 0  # pins made (each renewal counts)
+    pins: int = 0  # pins made, one per breakpoint pinned (each renewal counts)
     pins_refused: int = 0  # refused by the server's cap (429)
     pin_errors: int = 0  # refused otherwise (409 not cached, unreachable, ...)
-    pins_replaced: int = 0  # previous pins released by the session's next pin
+    pins_replaced: int = 0  # previous pins released by a later marked turn (renewed, unmarked)
     pins_released: int = 0  # released by /leyline/unpin when a session ended
     pin_ttl_clamped: int = 0  # markers whose ttl was above 24 h (pinned for 24 h)
     pin_ttl_invalid: int = 0  # markers whose ttl was malformed or not positive (the default)
@@ -67,30 +69,32 @@ class Retention:
         self.counters = RetentionCounters()
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def pin_turn(self, session: ProxySession, pending: Pending, marker: Marker) -> None:
-        """Pin the marked prefix of the turn just finished (see ``SessionPins.pin_marked``)."""
-        self.check_ttl(session, marker)
-        core, pins = session.core, session.core.pins
-        old, replaced = pins.pinned, pins.replaced
-        try:
-            pin = await anyio.to_thread.run_sync(
-                pins.pin_marked, core.wrapper.tokens, pending.plan, marker
-            )
-        except PinRejected as e:
-            if pins.pinned is not old:  # NOTE: the new pin was made; the old one's release failed
-                self.counters.count(pins=1)
-                session.pin_error = None
-                log.warning("session %s: the previous pin stays until its TTL: %s", session.id, e)
-                return
-            refused = e.status == 429
-            self.counters.count(pins_refused=refused, pin_errors=not refused)
+    async def pin_turn(
+        self, session: ProxySession, pending: Pending, markers: Sequence[Marker]
+    ) -> None:
+        """Pin the breakpoints of the turn just finished (see ``SessionPins.pin_marked``)."""
+        for marker in markers:
+            self.check_ttl(session, marker)
+        core = session.core
+        outcome = await anyio.to_thread.run_sync(
+            core.pins.pin_marked, core.wrapper.tokens, pending.plan, markers,
+            core.wrapper.renderer.decode,
+        )  # fmt: skip
+        refused = sum(e.status == 429 for e in outcome.refused)
+        self.counters.count(
+            pins=len(outcome.made), pins_replaced=outcome.replaced, pins_refused=refused,
+            pin_errors=len(outcome.refused) - refused,
+        )  # fmt: skip
+        for e in outcome.stale:  # NOTE: the new pin was made; the old one's release failed
+            log.warning("session %s: a previous pin stays until its TTL: %s", session.id, e)
+        if outcome.refused:
+            e = outcome.refused[-1]
             turn = core.records[-1].turn if core.records else 0
             session.pin_error = PinError(turn, e.status, e.reason, e.message)
-            log.warning("session %s: pin refused: %s", session.id, e)
-            return
-        if pin is not None:
+            for e in outcome.refused:
+                log.warning("session %s: pin refused: %s", session.id, e)
+        elif outcome.made:
             session.pin_error = None
-            self.counters.count(pins=1, pins_replaced=pins.replaced - replaced)
 
     def check_ttl(self, session: ProxySession, marker: Marker) -> None:
         """Log and count a marker whose TTL was not taken as sent (``markers.parse_ttl``)."""
@@ -114,11 +118,11 @@ class Retention:
         task.add_done_callback(self._tasks.discard)
 
     async def pin_then_release(
-        self, session: ProxySession, pending: Pending, marker: Marker
+        self, session: ProxySession, pending: Pending, markers: Sequence[Marker]
     ) -> None:
-        """A streamed turn's pin, after its stream ended; then the session's lock is released."""
+        """A streamed turn's pins, after its stream ended; then the session's lock is released."""
         try:
-            await self.pin_turn(session, pending, marker)
+            await self.pin_turn(session, pending, markers)
         finally:
             session.lock.release()
 
@@ -149,7 +153,7 @@ class Retention:
 
     def release_session(self, session: ProxySession) -> None:
         """``SessionRegistry``'s ``on_drop``: release the session's pins in the background."""
-        if session.core.pins.pinned is None:
+        if not session.core.pins.pins:
             return
         try:
             asyncio.get_running_loop()
