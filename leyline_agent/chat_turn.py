@@ -159,6 +159,7 @@ def complete(
     if data is not None:
         prompt, cached = read_usage(data, tokens)
         completion = data["usage"].get("completion_tokens")
+        cached = _parallel_cached(turn, data, cached)
     else:
         prompt, cached = (tokens if ttft_ms is not None else 0), 0
     return core.finish(
@@ -173,3 +174,25 @@ def complete(
         prefilled=data is not None or ttft_ms is not None,
         completion_tokens=completion,
     )
+
+
+def _parallel_cached(turn: ChatTurn, data: dict[str, Any], cached: int) -> int:
+    """The cache hit of an ``n`` > 1 answer, bounded by what the session may reuse.
+
+    SGLang (0.5.23, ``TokenizerManager``) prefills the prompt of a parallel-sampling request
+    once, in a prefill-only warm-up whose answer it drops, then samples ``n`` times; its usage
+    counts the prompt once but reports the samples' cache hit, which the warm-up just filled (a
+    cold prompt reads as cached but one token). Clamped to the turn's bound (``best_reused``,
+    plus what its splice prefilled) in the answer and the record: exact in the session's own
+    namespace; in the shared one (before its first splice) the bound is the whole prompt, as
+    other sessions fill it too.
+    """
+    n = turn.body.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
+        return cached
+    splice = turn.pending.splice
+    bound = splice.best_reused + (splice.response.prefilled if splice.response else 0)
+    if cached > bound:
+        cached = bound
+        data["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
+    return cached

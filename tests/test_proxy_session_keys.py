@@ -346,3 +346,30 @@ def test_a_retry_after_a_timeout_is_one_session_and_one_splice(leyline_server: s
     assert not retry["spliced"] and retry["directives_amortize"] == 0  # no second splice
     assert retry["server_cached_tokens"] >= retry["prompt_tokens"] - 1  # a full hit
     assert after["server_cached_tokens"] == after["prompt_tokens"] - len(plans[4].tail)
+
+
+@pytest.mark.sglang
+def test_parallel_sampling_counts_the_prompt_prefilled_once(leyline_server: str) -> None:
+    """``n`` > 1: SGLang prefills the prompt once (a prefill-only warm-up it does not report),
+    then samples n times, reporting the samples' cache hit. A cold prompt is prefilled once,
+    in the answer's usage and in the record (before: cached = prompt - 1, prefilled 1)."""
+    turns = _chat_turns("tidal lagoon", 2)
+    plans = expected_plans("none", turns)
+    sid = new_id("parallel")
+    with serve_proxy(leyline_server, "none") as proxy:
+        client = openai_client(proxy, **{SESSION_HEADER: sid})
+        answers = [
+            client.chat.completions.create(
+                model="default", messages=m, tools=TOOLS, max_tokens=1, temperature=1, n=2
+            )
+            for m in turns
+        ]
+        records = session_detail(proxy, sid)["records"]
+    cold, warm = answers[0].usage, answers[1].usage
+    assert len(answers[0].choices) == 2 and cold.prompt_tokens == len(plans[0].tokens)
+    assert cold.prompt_tokens_details.cached_tokens == 0  # the backend said prompt - 1
+    assert records[0]["prefilled_tokens"] == cold.prompt_tokens  # once, not n times
+    # the next turn: its history cached (the bound allows the 2 sampled tokens after it)
+    hit = warm.prompt_tokens - len(plans[1].tail)
+    assert hit <= warm.prompt_tokens_details.cached_tokens <= hit + 2
+    assert records[1]["server_cached_tokens"] == warm.prompt_tokens_details.cached_tokens
