@@ -262,3 +262,92 @@ def test_in_process_fork_and_pin(leyline_server: str) -> None:
             usage = reply["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2
     assert _stats(leyline_server)["pinned_slots"] == before  # close() released the pin
+
+
+def _wait_for(check: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_each_breakpoint_keeps_its_own_ttl(leyline_server: str) -> None:
+    """The given case of issue 25 (what Claude Code sends): ``ttl: "1h"`` on the system prompt,
+    a short one (``"4s"``) on the last message. Before: one pin per session with the last
+    marker's TTL, so seconds later the system prompt was no longer pinned (pinned slots -> 0).
+    Now both are pinned, each for its own TTL: after the short one's expiry the server still
+    pins exactly the system prefix, the session's record shows the 1-hour pin alone, and the
+    next marked turn renews the system pin (its TTL starts again) and pins the new last
+    message."""
+    salt, sid = new_id("salt"), new_id("claude-code")
+    system = {"role": "system", "content": _system(400),
+              "cache_control": {"type": "ephemeral", "ttl": "1h"}}  # fmt: skip
+    short = {"type": "ephemeral", "ttl": "4s"}
+    first = [system, {"role": "user", "content": "Which test fails?", "cache_control": short}]
+    base = _stats(leyline_server)
+    with serve_proxy(leyline_server, "none", share_exact=True) as proxy:
+        client = openai_client(proxy, **{SESSION_HEADER: sid})
+        prompt, _ = _ask(client, first, salt)
+        detail = session_detail(proxy, sid)
+        stats = _stats(leyline_server)
+        system_pin, last_pin = detail["pins"]
+        assert (system_pin["ttl_s"], last_pin["ttl_s"]) == (3600, 4)
+        s_tokens, l_tokens = system_pin["pinned_tokens"], last_pin["pinned_tokens"]
+        assert 500 < s_tokens < l_tokens < prompt  # the system prefix; all but the reply's prompt
+        assert detail["pin"] == last_pin  # the longest prefix, as before
+        assert stats["pins"] - base["pins"] == 2
+        assert stats["pinned_slots"] - base["pinned_slots"] == l_tokens  # nested: counted once
+        print(f"\n[breakpoints] prompt {prompt}: pinned slots {stats['pinned_slots']} "
+              f"(+{l_tokens}: system {s_tokens} 1h, last {l_tokens} 4s)")  # fmt: skip
+        time.sleep(max(0.0, last_pin["expires_at"] - time.time()) + 0.5)
+        after = _stats(leyline_server)
+        print(
+            f"[breakpoints] 0.5 s after the 4s pin's expiry: pinned slots "
+            f"{after['pinned_slots']} (+{after['pinned_slots'] - base['pinned_slots']})"
+        )
+        assert after["pins"] - base["pins"] == 1
+        assert after["pinned_slots"] - base["pinned_slots"] == s_tokens  # the 1-hour prefix
+        detail = session_detail(proxy, sid)
+        assert detail["pins"] == [system_pin] and detail["pin"] == system_pin
+        assert system_pin["expires_at"] > time.time() + 3500
+        # the next turn marks both again: the system pin renewed, the short one on the new end
+        second = [system, {"role": "user", "content": "Which test fails?"},
+                  {"role": "assistant", "content": "test_a."},
+                  {"role": "user", "content": "Fix it.", "cache_control": short}]  # fmt: skip
+        _ask(client, second, salt)
+        renewed, moved = session_detail(proxy, sid)["pins"]
+        assert renewed["pinned_tokens"] == s_tokens and renewed["pin_id"] != system_pin["pin_id"]
+        assert renewed["expires_at"] > system_pin["expires_at"]  # its hour starts again
+        assert moved["pinned_tokens"] > l_tokens and moved["ttl_s"] == 4
+        stats = _stats(leyline_server)
+        assert stats["pins"] - base["pins"] == 2  # the renewed one replaced, not added
+        assert stats["pinned_slots"] - base["pinned_slots"] == moved["pinned_tokens"]
+        metrics = httpx.get(f"{proxy}/metrics", timeout=30).text
+        assert "leyline_proxy_pins_total 4" in metrics  # both breakpoints, both turns
+        assert "leyline_proxy_pins_replaced_total 1" in metrics  # the renewed system pin
+        ended = httpx.delete(f"{proxy}/leyline/sessions/{sid}", timeout=30)
+        assert ended.status_code == 200
+    assert _wait_for(lambda: _stats(leyline_server)["pins"] == base["pins"])
+    assert _stats(leyline_server)["pinned_slots"] == base["pinned_slots"]
+
+
+def test_more_than_four_breakpoints_are_refused_before_any_splice(leyline_server: str) -> None:
+    """Anthropic refuses more than 4 blocks with ``cache_control`` (400); so does the proxy, in
+    OpenAI's error format, before anything reaches the backend: the session has no turn."""
+    sid, mark = new_id("five"), {"type": "ephemeral"}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "s", "cache_control": mark}]
+    for i in range(4):
+        role = "user" if i % 2 == 0 else "assistant"
+        messages.append({"role": role, "content": f"m{i}", "cache_control": mark})
+    with serve_proxy(leyline_server, "none", share_exact=True) as proxy:
+        client = openai_client(proxy, **{SESSION_HEADER: sid})
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="default", messages=messages, max_tokens=1)  # type: ignore[arg-type]
+        assert e.value.status_code == 400
+        assert "A maximum of 4 blocks with cache_control may be provided. Found 5." in str(e.value)
+        detail = session_detail(proxy, sid)
+        assert detail["turns"] == 0 and detail["pins"] == [] and detail["pin"] is None
+        [(prompt, _)] = [_ask(client, messages[:4], new_id("salt"))]  # 4 are fine
+        assert prompt > 0 and len(session_detail(proxy, sid)["pins"]) == 4
