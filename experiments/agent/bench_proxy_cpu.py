@@ -8,7 +8,9 @@ policy and plan; no splice is sent for appended turns under ``--policy none``), 
 (the body to the backend), ``answer_parse`` (the backend's answer with the prompt token ids the
 proxy asks for), ``complete`` (``chat_turn.complete``: usage, the ids compared, the turn
 recorded). ``backend_json`` is the backend's own cost of writing those ids (not the proxy's, so
-not in ``proxy_total``). Loopback hops are not counted.
+not in ``proxy_total``). Loopback hops are not counted. Parts are the handling thread's CPU time
+(``time.thread_time``: a loaded machine's waiting does not count); ``wall_total`` is the wall clock
+of the proxy's parts.
 
     .venv/bin/python experiments/agent/bench_proxy_cpu.py [--target 34000] [--policy none]
 
@@ -55,13 +57,14 @@ def main() -> None:
     while prompt < args.target:
         body = {"model": "default", "messages": messages, "tools": TOOLS, "max_tokens": 1}
         raw = json.dumps(body).encode()
-        marks = {"start": time.perf_counter()}
+        w0 = time.perf_counter()
+        marks = {"start": time.thread_time()}
         parsed = json.loads(raw)
-        marks["parse"] = time.perf_counter()
+        marks["parse"] = time.thread_time()
         ct = chat_turn.prepare(core, parsed)
-        marks["prepare"] = time.perf_counter()
+        marks["prepare"] = time.thread_time()
         json.dumps(ct.body)
-        marks["forward_json"] = time.perf_counter()
+        marks["forward_json"] = time.thread_time()
         ids = ct.pending.plan.tokens
         answer = {
             "id": "x",
@@ -81,16 +84,17 @@ def main() -> None:
             },
         }
         raw_answer = json.dumps(answer).encode()
-        marks["backend_json"] = time.perf_counter()
+        marks["backend_json"] = time.thread_time()
         data = json.loads(raw_answer)
-        marks["answer_parse"] = time.perf_counter()
+        marks["answer_parse"] = time.thread_time()
         chat_turn.complete(core, ct, data, request_ms=1.0, prompt_ids=ct.prompt_ids(data))
-        marks["complete"] = time.perf_counter()
+        marks["complete"] = time.thread_time()
         json.dumps(data)
-        marks["client_json"] = time.perf_counter()
+        marks["client_json"] = time.thread_time()
         stamps = list(marks.items())
         ms = {k: (t - stamps[i][1]) * 1e3 for i, (k, t) in enumerate(stamps[1:])}
         ms["proxy_total"] = sum(v for k, v in ms.items() if k != "backend_json")
+        ms["wall_total"] = (time.perf_counter() - w0) * 1e3 - ms["backend_json"]
         prompt = len(ids)
         if turn:
             rows.append((prompt, ms))
