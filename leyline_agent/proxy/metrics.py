@@ -10,10 +10,11 @@ prompt tokens differed from the rendered ones / after which the session adopted 
 ``leyline_proxy_backend_*{backend="<url>"}`` (``render_backends``, proxy-wide): per backend,
 requests forwarded, errors, sessions that failed over away from it, live sessions on it, up.
 ``leyline_proxy_route_*{route="<route>"}`` (``render_routes``): requests, turns and spliced turns
-per route. ``leyline_proxy_pin*`` and ``leyline_proxy_fork*`` (``render_retention``, proxy-wide): pins
-made, refused by the server's cap (429), refused otherwise, replaced by the session's next pin,
-released at session end, markers whose TTL was clamped or invalid; forks, forks that copied the
-parent's KV, forks that started cold.
+per route. ``leyline_proxy_pin*`` and ``leyline_proxy_fork*`` (``render_retention``, proxy-wide):
+pins made (one per breakpoint), refused by the server's cap (429), refused otherwise, replaced by
+the session's next marked turn (renewed, or no longer marked), released at session end, markers
+whose TTL was clamped or invalid; forks, forks that copied the parent's KV, forks that started
+cold.
 """
 
 from __future__ import annotations
@@ -204,13 +205,13 @@ def render_backends(pool: BackendPool, sessions: Iterable[ProxySession]) -> str:
 
 
 _RETENTION: tuple[tuple[str, str, str], ...] = (
-    ("pins", "pins_total", "Pins made from cache_control markers, one per marked turn whose "
-     "pin the server accepted (a renewal is a new pin)."),
+    ("pins", "pins_total", "Pins made from cache_control markers, one per breakpoint of a "
+     "marked turn whose pin the server accepted (a renewal is a new pin)."),
     ("pins_refused", "pins_refused_total", "Pins refused by the server's cap on pinned slots "
      "(429)."),
     ("pin_errors", "pin_errors_total", "Pins refused otherwise (not cached, unreachable)."),
-    ("pins_replaced", "pins_replaced_total", "Pins released because their session's next marked "
-     "turn pinned a new prefix (not those that expired first)."),
+    ("pins_replaced", "pins_replaced_total", "Pins released by their session's next marked "
+     "turn: renewed, or their breakpoint no longer marked (not those that expired first)."),
     ("pins_released", "pins_released_total", "Pins released when their session ended (dropped "
      "past max_sessions, or DELETE /leyline/sessions/{id}); replaced pins are not counted here."),
     ("pin_ttl_clamped", "pin_ttl_clamped_total", "cache_control markers whose ttl was above the "
