@@ -351,3 +351,30 @@ def test_more_than_four_breakpoints_are_refused_before_any_splice(leyline_server
         assert detail["turns"] == 0 and detail["pins"] == [] and detail["pin"] is None
         [(prompt, _)] = [_ask(client, messages[:4], new_id("salt"))]  # 4 are fine
         assert prompt > 0 and len(session_detail(proxy, sid)["pins"]) == 4
+
+
+def test_in_process_session_pins_each_breakpoint(leyline_server: str) -> None:
+    """``LeylineSession.chat`` pins every breakpoint after the turn, each for its own TTL: a
+    1-hour tools-and-system prefix (a marked tool: the embedded ChatML template renders the tools
+    inside the system message) and the 4 s last message; ``close()`` releases what is left."""
+    salt = new_id("salt")
+    tools = [{**TOOLS[0], "cache_control": {"type": "ephemeral", "ttl": "1h"}}, *TOOLS[1:]]
+    messages = [{"role": "system", "content": _system(400)},
+                {"role": "user", "content": "Which test fails?",
+                 "cache_control": {"type": "ephemeral", "ttl": "4s"}}]  # fmt: skip
+    base = _stats(leyline_server)
+    with LeylineSession(leyline_server, "none") as session:
+        session.chat(messages, tools=tools, max_tokens=1, cache_salt=salt)
+        assert len(session.records) == 1 and session.pin_error is None
+        tools_pin, last_pin = session.core.pins.live()
+        assert (tools_pin.ttl_s, last_pin.ttl_s) == (3600, 4)
+        text = session.core.wrapper.renderer.decode(
+            session.core.wrapper.tokens[: tools_pin.pinned_tokens]
+        )
+        assert text.endswith("</tool_call><|im_end|>\n") and '"name": "run_tests"' in text
+        assert _stats(leyline_server)["pins"] - base["pins"] == 2
+        time.sleep(max(0.0, last_pin.expires_at - time.time()) + 0.5)
+        after = _stats(leyline_server)
+        assert after["pinned_slots"] - base["pinned_slots"] == tools_pin.pinned_tokens
+        assert session.core.pins.live() == [tools_pin]
+    assert _stats(leyline_server)["pins"] == base["pins"]  # close() released the 1-hour pin
