@@ -34,6 +34,7 @@ from tokenizers import Encoding, Tokenizer
 Seg = tuple[int, list[int], int, int]  # (shift, local starts, lo, hi): local[lo:hi] + shift
 
 _SMALL, _SMALL_RUN = 2048, 16  # runs of this many segments of fewer tokens are flattened
+_MAX_SEGS = 512  # beyond it every segment is (a long session: once in a few hundred turns)
 
 
 def _compacted(segs: list[Seg]) -> list[Seg]:
@@ -79,6 +80,9 @@ class Starts:
             merged.append(seg)
         if len(merged) > _SMALL_RUN:
             merged = _compacted(merged)
+        if len(merged) > _MAX_SEGS:  # a long session's windows between big runs: flatten once
+            flat = [shift + v for shift, local, lo, hi in merged for v in local[lo:hi]]
+            merged = [(0, flat, 0, len(flat))]
         self.segs = merged
         tok, first, n = [], [], 0
         for shift, local, lo, hi in merged:
