@@ -12,10 +12,8 @@ chat turn) and ``leyline replay``. Pure Python (httpx); no torch, no sglang. Per
 no plugin) is a miss (``record.splice_error``); the request is still sent. Where the KV lives is
 ``placement`` (``placement.py``); the pin is ``pins`` and forks ``retention.fork``.
 
-The session's tokens follow the backend's cache, not the request's fate: a splice that succeeded
-is committed at once (a request that then fails leaves the session on what the backend holds);
-``finish(prompt_ids=...)``, the backend's own prompt ids (``return_prompt_token_ids``), are
-adopted when they differ from the rendered ones (``record.render_mismatch``, ``resynced``).
+The session's tokens follow the backend's cache, not the request's fate: a splice is committed at
+once; the backend's own prompt ids (``finish(prompt_ids=...)``) are adopted when they differ.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from leyline_agent.accounting import SpliceOutcome, TurnRecord, best_reused
 from leyline_agent.client import LeylineClient, SpliceRejected
 from leyline_agent.placement import DEFAULT_SHARED_NAMESPACE, Placement
 from leyline_agent.placement import namespace as _namespace
+from leyline_agent.policies.protocol import Policy
 from leyline_agent.retention import SessionPins
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 
@@ -115,8 +114,8 @@ class SessionCore:
         self.messages = [dict(m) for m in parent.messages]
 
     def forget(self) -> None:
-        """Forget the session's tokens (the next turn is prefilled in full, no splice); the
-        namespace may still hold them, so the next turn's ``best_reused`` is unbounded."""
+        """Forget the session's tokens (the next turn: a full prefill, no splice, and an unbounded
+        ``best_reused``: the namespace may still hold them)."""
         self.wrapper.reset()
         self._reply = None
 
@@ -128,6 +127,7 @@ class SessionCore:
         template_kwargs: Mapping[str, Any] | None = None,
         final: Mapping[str, Any] | None = None,
         continued: str | None = None,
+        policy: Policy | None = None,
     ) -> Pending:
         """Policy and diff; nothing is sent.
 
@@ -136,26 +136,27 @@ class SessionCore:
             final, continued: SGLang's ``continue_final_message``: the final assistant message,
                 not rendered (sent after the planned messages), and its text, whose tokens are
                 appended after the generation prompt.
+            policy: this turn's own edits after the session's policy (``wrapper.plan``).
 
         Raises:
             PolicyError, DirectiveError, jinja2.TemplateError: as ``ConversationWrapper.plan``.
         """
         t0 = time.perf_counter()
-        plan = self.wrapper.plan(messages, tools, template_kwargs=template_kwargs)
+        plan = self.wrapper.plan(
+            messages, tools, template_kwargs=template_kwargs, extra_policy=policy
+        )
         if continued:  # SGLang appends encode(text) to the prompt ids
             extra = self.wrapper.renderer.encode(continued)
             plan = replace(plan, tokens=[*plan.tokens, *extra], tail=[*plan.tail, *extra])
         # NOTE: a bound in the own namespace; ``splice`` lifts it to the whole prompt in the shared one
         bound = best_reused(plan, self.wrapper.tokens, self._reply, splice=self.splice_enabled)
-        outcome = SpliceOutcome(best_reused=bound)
-        return Pending(plan, t0, outcome, final=dict(final) if final is not None else None)
+        return Pending(plan, t0, SpliceOutcome(best_reused=bound), final=dict(final or {}) or None)
 
     def splice(self, pending: Pending) -> None:
         """Send the plan's directives to ``/leyline/splice`` (when enabled and there are any);
         a splice that ran is committed at once. A refused splice is recorded, not raised."""
         plan, where = pending.plan, self.placement
-        best, error, reason, result = pending.splice.best_reused, None, None, None
-        splice_ms = 0.0
+        best, error, reason, result, splice_ms = pending.splice.best_reused, None, None, None, 0.0
         moved = where.take_moved()
         if moved is not None:  # NOTE: the new backend holds none of the session's KV
             best = 0

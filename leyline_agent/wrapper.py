@@ -21,7 +21,7 @@ from leyline_agent.diff import Diff, diff_rendered, diff_tokens, message_key
 from leyline_agent.directive import Directive, Mode
 from leyline_agent.messages import sent_message
 from leyline_agent.policies.edits import EditResult, apply_edits
-from leyline_agent.policies.protocol import Conversation, Edit, Policy, carry_edits
+from leyline_agent.policies.protocol import Chain, Conversation, Edit, Policy, carry_edits
 from leyline_agent.policies.registry import parse_policy
 
 Message = dict[str, Any]
@@ -148,11 +148,13 @@ class ConversationWrapper:
         tools: Sequence[Any] | None = None,
         *,
         template_kwargs: Mapping[str, Any] | None = None,
+        extra_policy: Policy | None = None,
     ) -> TurnPlan:
         """Apply the policy, render, and diff against ``self.tokens`` (no state changes).
 
         ``template_kwargs``: extra chat-template variables (SGLang's ``chat_template_kwargs``);
-        such turns are rendered in full.
+        such turns are rendered in full. ``extra_policy``: this turn's own edits after the
+        session's policy (``policies.Chain``; e.g. a request's Anthropic context editing).
 
         Raises:
             PolicyError: the policy returned invalid edits.
@@ -166,7 +168,8 @@ class ConversationWrapper:
 
         incoming = [sent_message(m) for m in messages]
         rendered = render(incoming, tools)
-        edits = list(self.policy(self._conversation(messages, incoming, rendered)))
+        policy = self.policy if extra_policy is None else Chain((self.policy, extra_policy))
+        edits = list(policy(self._conversation(messages, incoming, rendered)))
         # NOTE: no edits, no copies: every sent message is the incoming one.
         n = len(incoming)
         edited = apply_edits(messages, edits) if edits else EditResult(incoming, [*range(n)], {})

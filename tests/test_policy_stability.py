@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from leyline_agent import Mode
 from leyline_agent.policies import (
     ClearThinking,
+    ClearToolUses,
     Conversation,
     Edit,
     NonePolicy,
@@ -33,6 +34,7 @@ from leyline_agent.policies import (
 
 BUILT_INS = [
     "clear_thinking",
+    "clear_tool_uses",
     "none",
     "observation_window",
     "redact",
@@ -111,6 +113,8 @@ def policies() -> list[Any]:
         Redact(patterns=["line\nli"], roles=["tool", "user"]),  # spans across parts
         ClearThinking(keep_last=0),
         ClearThinking(keep_last=2),
+        ClearToolUses(trigger_tokens=0, keep=1),
+        ClearToolUses(trigger_tokens=150, keep=0, clear_at_least=40),
     ]
 
 
@@ -245,6 +249,7 @@ def wrapper_policies() -> list[str]:
         "token_budget:max_tokens=700",
         'redact:patterns=["sk-\\\\w+"]',
         "clear_thinking:keep_last=1",
+        "clear_tool_uses:trigger_tokens=300,keep=1",
     ]
 
 

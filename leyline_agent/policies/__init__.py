@@ -1,7 +1,7 @@
 """Policies: small deterministic plug-ins that decide what to edit in a conversation.
 
 Built-ins: ``none``, ``stale_tool_outputs``, ``token_budget``, ``observation_window``, ``redact``,
-``clear_thinking``.
+``clear_thinking``, ``clear_tool_uses``.
 Third-party policies register with :func:`register_policy` or the ``leyline_agent.policies``
 entry-point group. See ``docs/policies.md``.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from leyline_agent.messages import OBSERVATION_KEY, is_observation, message_text
 from leyline_agent.policies.clear_thinking import ClearThinking
+from leyline_agent.policies.clear_tool_uses import ClearToolUses
 from leyline_agent.policies.edits import EditResult, apply_edits
 from leyline_agent.policies.none import NonePolicy
 from leyline_agent.policies.observation_window import ObservationWindow
@@ -29,6 +30,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "OBSERVATION_KEY",
     "ClearThinking",
+    "ClearToolUses",
     "Conversation",
     "Edit",
     "EditResult",

@@ -175,6 +175,22 @@ class Policy(Protocol):
     def __call__(self, conversation: Conversation) -> Sequence[Edit]: ...
 
 
+@dataclass(frozen=True)
+class Chain:
+    """Several policies as one: each one's edits in order, an edit of a message (and key) that an
+    earlier policy already edits left out. Each sees the same conversation, ``previous`` included
+    (policies keep their own decisions by their ``reason``)."""
+
+    policies: tuple[Policy, ...]
+
+    def __call__(self, conversation: Conversation) -> list[Edit]:
+        out: list[Edit] = []
+        for policy in self.policies:
+            taken = {(e.index, e.key) for e in out}
+            out += [e for e in policy(conversation) if (e.index, e.key) not in taken]
+        return out
+
+
 def check_template(text: str, **placeholders: Any) -> str:
     """Validate a stub template for a policy parameter: ``text.format(**placeholders)`` must work
     (it may use those names and nothing else). Returns ``text``.

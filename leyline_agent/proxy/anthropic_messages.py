@@ -18,7 +18,7 @@ the proxy, a thin adapter over the chat turn (request view → turn core → res
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -36,9 +36,11 @@ from leyline_agent.chat.anthropic import (
     message_object,
     new_id,
 )
+from leyline_agent.chat.context_editing import applied_edits, context_policy
 from leyline_agent.chat.openai import chat_request_view
 from leyline_agent.chat_turn import ChatTurn
 from leyline_agent.markers import marked_end
+from leyline_agent.policies import Policy
 from leyline_agent.proxy.chat import ChatView, serve_turn
 
 if TYPE_CHECKING:
@@ -72,8 +74,20 @@ class AnthropicView(ChatView):
 
     route = "/v1/messages"
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(
+        self,
+        model: str,
+        policy: Policy | None = None,
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> None:
+        self.model, self.policy, self.count_tokens = model, policy, count_tokens
+
+    def context_management(self, turn: ChatTurn) -> dict[str, Any] | None:
+        """The turn's ``applied_edits`` when the request asked for context editing."""
+        if self.count_tokens is None:
+            return None
+        edits = applied_edits(turn.messages, turn.pending.plan.edits, self.count_tokens)
+        return {"applied_edits": edits}
 
     def error(self, status: int, message: str, kind: str, headers: Mapping[str, str]) -> Response:
         return anthropic_error(status, message, headers)
@@ -93,6 +107,9 @@ class AnthropicView(ChatView):
         usage = anthropic_usage(data.get("usage"), _cached_prefix(turn))
         blocks = content_blocks(choice.get("message") or {})
         answer = message_object(self.model, blocks, choice.get("finish_reason"), usage)
+        managed = self.context_management(turn)
+        if managed is not None:
+            answer["context_management"] = managed
         return JSONResponse(answer, headers=dict(headers))
 
     def stream(
@@ -159,8 +176,12 @@ class AnthropicView(ChatView):
         if calls:
             stop = "tool_use"
         final = anthropic_usage(usage, _cached_prefix(turn))
-        yield _sse("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
-                                     "usage": final})  # fmt: skip
+        closing: dict[str, Any] = {"delta": {"stop_reason": stop, "stop_sequence": None},
+                                   "usage": final}  # fmt: skip
+        managed = self.context_management(turn)
+        if managed is not None:
+            closing["context_management"] = managed
+        yield _sse("message_delta", closing)
         yield _sse("message_stop", {})
 
 
@@ -181,12 +202,14 @@ async def create_message(proxy: LeylineProxy, request: Request) -> Response:
         return body
     try:
         chat = chat_body(body)
+        policy = context_policy(body.get("context_management"))
     except MessagesError as e:
         return anthropic_error(400, str(e))
+    count = (lambda t: len(proxy.renderer.encode(t))) if "context_management" in body else None
     claude_session = request.headers.get(CLAUDE_CODE_SESSION)
     if claude_session and not chat.get("prompt_cache_key"):
         chat["prompt_cache_key"] = f"claude-code:{claude_session}"
-    return await serve_turn(proxy, request, chat, AnthropicView(chat["model"]))
+    return await serve_turn(proxy, request, chat, AnthropicView(chat["model"], policy, count))
 
 
 async def count_tokens(proxy: LeylineProxy, request: Request) -> Response:
