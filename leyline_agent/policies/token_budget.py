@@ -35,7 +35,8 @@ class TokenBudget(BaseModel):
             return before - conversation.count_tokens(self.stub.format(n=len(group)))
 
         groups = conversation.observation_groups()
-        done = {e.index for e in conversation.previous}
+        # NOTE: its own stubs only (a chain of policies may pass on the others' edits too).
+        done = {e.index for e in conversation.previous if e.reason == "token_budget"}
         evicted = [bool(done.intersection(g)) for g in groups]  # evicted before: stays evicted
         total = conversation.total_tokens - sum(
             saved(g) for g, e in zip(groups, evicted, strict=True) if e
