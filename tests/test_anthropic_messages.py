@@ -250,3 +250,19 @@ def test_errors_in_anthropic_format_and_claude_codes_session_header(proxy: str) 
                    headers={"anthropic-version": "2023-06-01", "anthropic-beta": "context-management-2025-06-27"},
                    json={"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+@pytest.mark.sglang
+def test_cache_control_on_tools_and_system_blocks_pins_each_breakpoint(proxy: str) -> None:
+    name = f"anthropic-{uuid.uuid4().hex[:8]}"
+    c = client(proxy, **{"X-Leyline-Session": name})
+    tools = [
+        *ANTHROPIC_TOOLS[:-1],
+        {**ANTHROPIC_TOOLS[-1], "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+    ]
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "5m"}}]
+    c.messages.create(model="default", max_tokens=1, system=system, tools=tools, extra_body=GREEDY,
+                      messages=[{"role": "user", "content": "Find the bug."}])  # fmt: skip
+    pins = httpx.get(f"{proxy}/leyline/sessions/{name}", timeout=30).json()["pins"]
+    assert sorted(p["ttl_s"] for p in pins) in ([300.0, 3600.0], [3600.0])  # tools in the system
+    assert max(p["ttl_s"] for p in pins) == 3600.0 and all(p["pinned_tokens"] > 0 for p in pins)

@@ -157,7 +157,10 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise MessagesError(f"tools.{k}: only client tools with an input_schema are served")
         fn = {"name": tool.get("name"), "description": tool.get("description", ""),
               "parameters": tool["input_schema"]}  # fmt: skip
-        out.append({"type": "function", "function": fn})
+        chat_tool: dict[str, Any] = {"type": "function", "function": fn}
+        if isinstance(tool.get("cache_control"), Mapping):  # a breakpoint (markers.py)
+            chat_tool["cache_control"] = dict(tool["cache_control"])
+        out.append(chat_tool)
     return out
 
 

@@ -39,7 +39,7 @@ from leyline_agent.chat.anthropic import (
 from leyline_agent.chat.context_editing import applied_edits, context_policy
 from leyline_agent.chat.openai import chat_request_view
 from leyline_agent.chat_turn import ChatTurn
-from leyline_agent.markers import marked_end
+from leyline_agent.markers import TOOLS, marked_end
 from leyline_agent.policies import Policy
 from leyline_agent.proxy.chat import ChatView, serve_turn
 
@@ -62,6 +62,8 @@ def _cached_prefix(turn: ChatTurn) -> int:
     if turn.marker is None:
         return 0
     plan = turn.pending.plan
+    if turn.marker.message == TOOLS:  # NOTE: tools render in or before the first message
+        return plan.spans[0][1] if plan.spans else 0
     return marked_end(plan.spans, plan.sources, turn.marker.message)
 
 
