@@ -11,8 +11,9 @@ Templates that render earlier messages differently depending on what follows (re
 Qwen3 renders ``<think>`` blocks only after the last user query, GLM-4.5 and Kimi-K2-thinking empty
 them before it) make a prefix rendering stop agreeing with the full one early, inside an earlier
 message. Then, where the rendering of ``messages[:k]`` extends that of ``messages[:k-1]`` whose
-end is known in the full text, the end of the added piece is found there again (``resync``). The spans are a best effort; nothing downstream relies on
-them for correctness (the diff is exact by construction).
+end is known in the full text, the end of the added piece is found there again (``resync``). The
+spans are a best effort; nothing downstream relies on them for correctness (the diff is exact by
+construction).
 
 This module holds the type and the pieces that do not render (finding contents, clamping,
 characters to tokens); ``chat.render.Renderer.raw_bounds`` renders the prefixes.
@@ -140,10 +141,10 @@ def resync(piece: str, text: str, start: int, hi: int) -> tuple[int, int] | None
     The full text may lack a middle part of the piece (a think block the template drops or
     empties once later messages follow): the end is a position ``q`` with ``text[start:q]`` no
     longer than the piece and made of the piece's common prefix and suffix with it; of several,
-    the one with the longest common suffix, then the first. Where there is none, the piece's last segments (a closing rendered only
-    after the last message, such as ``<|im_end|>``; up to three) are dropped and the rest is
-    looked up. Returns the end in ``text`` and the length of the piece it ends (None: not
-    found).
+    the one with the longest common suffix, then the first. Where there is none, the piece's
+    last segments (a closing rendered only after the last message, such as ``<|im_end|>``; up to
+    three) are dropped and the rest is looked up. Returns the end in ``text`` and the length of
+    the piece it ends (None: not found).
     """
     end = len(piece)
     if text.startswith(piece, start):
