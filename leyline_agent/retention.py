@@ -12,7 +12,8 @@
   one it no longer asks to keep (a moved marker's new prefix covers the old one; after an edit the
   old prefix is not this session's any more), and its pin would only hold room under the server's
   cap on pinned slots (429 for every session) and make splices over it copy. A pin past its
-  ``expires_at`` is forgotten (``live``): the server released it.
+  ``expires_at`` is not ``live`` any more (the server released it) and is forgotten by the next
+  marked turn.
 - **Fork**: a new session starts from another one's state. A private parent's held tokens are
   copied into the child's own namespace (``POST /leyline/fork``; the child is private from then
   on, so its splices never touch the parent's KV); a shared parent's are already in the shared
@@ -60,15 +61,17 @@ class SessionPins:
     def __init__(self, placement: Placement, clock: Callable[[], float] = time.time) -> None:
         self.placement = placement
         self.clock = clock
-        self.pins: dict[int, PinResponse] = {}  # by the length of the prefix pinned
+        # by the length of the prefix pinned; NOTE: replaced, never changed in place, so that a
+        # reader (the proxy's session record, on the event loop) never sees it change under it
+        # while a turn's pins are made in a worker thread
+        self.pins: dict[int, PinResponse] = {}
         self.replaced = 0  # previous pins released (renewed, or no longer marked); not expired ones
 
     def live(self) -> list[PinResponse]:
-        """The session's pins not expired yet, by prefix length (the expired ones forgotten)."""
-        now = self.clock()
-        for end in [end for end, p in self.pins.items() if p.expires_at <= now]:
-            del self.pins[end]
-        return [self.pins[end] for end in sorted(self.pins)]
+        """The session's pins not expired yet, by prefix length (read only: the expired ones
+        are forgotten by the next ``pin_marked``)."""
+        now, pins = self.clock(), self.pins
+        return [pins[end] for end in sorted(pins) if pins[end].expires_at > now]
 
     @property
     def pinned(self) -> PinResponse | None:
@@ -93,7 +96,8 @@ class SessionPins:
             list(tokens), ttl_s=ttl_s, extra_key=where.extra_key, cache_salt=where.salt,
             owner=where.own,
         )  # fmt: skip
-        old, self.pins[len(tokens)] = self.pins.get(len(tokens)), new
+        old = self.pins.get(len(tokens))
+        self.pins = {**self.pins, len(tokens): new}
         if old is not None and old.pin_id != new.pin_id:
             try:
                 self._unpin(old)
@@ -156,6 +160,8 @@ class SessionPins:
         pins of prefixes no longer marked (when one was refused they stay until their TTL, as
         the refused breakpoint's previous pin does). Refusals are returned, never raised."""
         wanted = self.breakpoints(held, plan, markers, decode)
+        now = self.clock()  # the expired ones forgotten (the server released them)
+        self.pins = {end: p for end, p in self.pins.items() if p.expires_at > now}
         before = self.replaced
         made: list[PinResponse] = []
         refused: list[PinRejected] = []
@@ -172,7 +178,9 @@ class SessionPins:
         if wanted and not refused:
             for end in sorted(set(self.pins) - set(wanted)):
                 try:
-                    self._unpin(self.pins.pop(end))
+                    old = self.pins[end]
+                    self.pins = {k: p for k, p in self.pins.items() if k != end}
+                    self._unpin(old)
                 except PinRejected as e:
                     stale.append(e)
         return PinOutcome(made, self.replaced - before, refused, stale)
@@ -180,12 +188,12 @@ class SessionPins:
     def release(self) -> int:
         """Release every pin of the session (owner: its own namespace); the number released.
         Raises ``PinRejected``."""
-        self.pins.clear()
+        self.pins = {}
         return self.placement.client.unpin(owner=self.placement.own)
 
     def forget(self) -> None:
         """The pins stay on a backend the session left (until their TTL)."""
-        self.pins.clear()
+        self.pins = {}
 
 
 def fork(child: SessionCore, parent: SessionCore) -> ForkResponse | None:

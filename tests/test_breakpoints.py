@@ -148,6 +148,14 @@ def test_two_breakpoints_two_pins_each_with_its_ttl_renewed_released_and_expired
     # the short one expires on time; the 1-hour one stays
     client.now += 3.0
     assert core.pins.live() == [renewed] and core.pins.pinned == renewed
+    # a turn marking the system prompt alone: renewed; the expired pin is forgotten, not unpinned
+    pending = _turn(core, turns[3])
+    system_only = [Marker(0, 3600.0, "1h")]
+    third = core.pins.pin_marked(core.wrapper.tokens, pending.plan, system_only, decode)
+    [again] = third.made
+    assert third.replaced == 1 and client.calls[-1] == ("unpin", {"pin_id": renewed.pin_id,
+                                                                  "owner": None})  # fmt: skip
+    assert core.pins.pins == {again.pinned_tokens: again}
     assert core.pins.release() == 1 and core.pins.live() == []
 
 
