@@ -106,6 +106,19 @@ def test_developer_is_sent_as_system_where_the_template_refuses_it() -> None:
     assert chat_request_view(dev, None)[0][0]["role"] == "developer"  # only when asked
 
 
+def test_a_template_that_renders_developer_keeps_it() -> None:
+    from leyline_agent.chat.render import Renderer
+
+    tokenizer = ConversationWrapper().renderer.tokenizer
+    generic = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    drops = (
+        "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}"
+        "<|{{ m.role }}|>{{ m.content }}\n{% endif %}{% endfor %}"
+    )
+    assert renders_developer(Renderer(tokenizer, generic)) is True
+    assert renders_developer(Renderer(tokenizer, drops)) is False  # dropped: sent as system
+
+
 # --- live -----------------------------------------------------------------------------------
 
 
