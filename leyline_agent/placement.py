@@ -5,7 +5,8 @@ session has two ``extra_key`` values, spelled here only:
 
 =====================  ===========================================================================
 ``own``                the session's own namespace, ``leyline:<session_id>`` in process, or
-                       ``leyline:<tenant>:<kind>:<name>`` behind the proxy (``SessionKey``);
+                       ``leyline:<tenant>:<kind>:<name>[:<conversation>]`` behind the proxy
+                       (``SessionKey``);
                        amortized (spliced) KV lives only here; routing, pin owner and forks use it
 ``shared``             the tenant's namespace of exact KV, ``leyline:<tenant>:shared``: sessions
                        with the same prompt prefix prefill it once
@@ -43,7 +44,7 @@ def namespace(*parts: str) -> str:
 
 def shared_namespace(tenant: str = DEFAULT_TENANT) -> str:
     """The tenant's namespace of exact KV: three parts, so no session's own namespace (two in
-    process, four behind the proxy) is it."""
+    process, four or five behind the proxy) is it."""
     return namespace(escape(tenant), "shared")
 
 

@@ -65,7 +65,7 @@ class SessionKey(NamedTuple):
     @property
     def shared_namespace(self) -> str:
         """The tenant's namespace of exact KV, which the session uses until its first splice
-        (``SessionCore``); three parts, so no session's own namespace (four) is it."""
+        (``SessionCore``); three parts, so no session's own namespace (four or five) is it."""
         return shared_namespace(self.tenant)
 
 
