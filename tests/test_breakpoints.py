@@ -198,3 +198,18 @@ def test_the_proxy_counts_every_pin_and_the_record_shows_each() -> None:
     client.now += 3.0  # the short pin expired on the server
     record = session.summary()
     assert [p["ttl_s"] for p in record["pins"]] == [3600.0] and record["pin"] == record["pins"][0]
+
+
+def test_the_proxy_shutting_down_releases_every_live_sessions_pins() -> None:
+    client = FakeBackend()
+    retention = Retention()
+    reg = SessionRegistry(lambda key, salt: _core(client, key.public_id, "none"))
+    turns = agent_conversation()
+    pinned, plain = reg.resolve(turns[1], header="a"), reg.resolve(turns[1], header="b")
+    pending = _turn(pinned.core, turns[1])
+    asyncio.run(retention.pin_turn(pinned, pending, cache_markers(_claude_code(turns[1], "1h"))))
+    _turn(plain.core, turns[1])
+    asyncio.run(retention.release_all(reg.sessions()))
+    assert client.calls[-1] == ("unpin", {"pin_id": None, "owner": "leyline:a"})
+    assert client.names().count("unpin") == 1  # the session without pins asks nothing
+    assert pinned.core.pins.pins == {} and retention.counters.pins_released == 1

@@ -378,3 +378,17 @@ def test_in_process_session_pins_each_breakpoint(leyline_server: str) -> None:
         assert after["pinned_slots"] - base["pinned_slots"] == tools_pin.pinned_tokens
         assert session.core.pins.live() == [tools_pin]
     assert _stats(leyline_server)["pins"] == base["pins"]  # close() released the 1-hour pin
+
+
+def test_the_proxy_shutting_down_releases_its_sessions_pins(leyline_server: str) -> None:
+    """A 1-hour pin would outlive the proxy by an hour (nothing could renew or release it, and
+    it holds room under the server's cap): shutting down releases it."""
+    marked = [{"role": "system", "content": _system(400),
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+              {"role": "user", "content": "hi"}]  # fmt: skip
+    base = _stats(leyline_server)
+    with serve_proxy(leyline_server, "none", share_exact=True) as proxy:
+        _ask(openai_client(proxy, **{SESSION_HEADER: new_id("left")}), marked, new_id("salt"))
+        assert _stats(leyline_server)["pins"] - base["pins"] == 1
+    assert _stats(leyline_server)["pins"] == base["pins"]
+    assert _stats(leyline_server)["pinned_slots"] == base["pinned_slots"]

@@ -126,6 +126,7 @@ class LeylineProxy:
         return self._context_len
 
     async def aclose(self) -> None:
+        await self.retention.release_all(self.registry.sessions())  # NOTE: before the pool closes
         await self.http.aclose()
         await self.pool.aclose()
 

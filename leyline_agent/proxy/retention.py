@@ -17,7 +17,9 @@ starts a session from another one, and an ended session's pins are released.
   KV evicted) leaves the child cold, counted in ``fork_misses``.
 - **Release** (``release_session``): a session dropped by the registry or ended by
   ``DELETE /leyline/sessions/{id}`` releases its pins (``/leyline/unpin`` by owner: its
-  namespace); otherwise they expire with their TTL.
+  namespace), and so does every live session when the proxy shuts down (``release_all``: nothing
+  could renew or release them after it, and a 1-hour pin would hold its room under the server's
+  cap for its hour); otherwise they expire with their TTL.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,9 +164,23 @@ class Retention:
             return
         self.spawn(self._release(session))
 
-    async def _release(self, session: ProxySession) -> None:
+    async def release_all(self, sessions: Iterable[ProxySession], timeout: float = 10.0) -> None:
+        """The proxy shuts down: wait for the pins in flight, then release every pin of the live
+        ``sessions`` (failures logged); at most ``timeout`` seconds in all (the rest expire)."""
+        with anyio.move_on_after(timeout) as scope:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            for session in sessions:
+                if session.core.pins.pins:
+                    await self._release(session, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            log.warning("shutting down: pins left to expire (no answer within %g s)", timeout)
+
+    async def _release(self, session: ProxySession, abandon_on_cancel: bool = False) -> None:
         try:
-            released = await anyio.to_thread.run_sync(session.core.pins.release)
+            released = await anyio.to_thread.run_sync(
+                session.core.pins.release, abandon_on_cancel=abandon_on_cancel
+            )
         except PinRejected as e:
             log.warning("session %s: releasing its pins failed: %s", session.id, e)
             return
