@@ -512,23 +512,38 @@ def test_a_retry_goes_to_the_session_of_its_first_attempt() -> None:
     assert not session_keys({}, {"x-stainless-retry-count": "x"}).retry
     m = agent_conversation()[-1]
     reg = SessionRegistry(_core)
-    s = reg.resolve(m[:2], user="u")
+    s = reg.resolve(m[:2])
     _commit(s, m[:2])
-    first = reg.resolve(m[:4], user="u")
+    first = reg.resolve(m[:4])
     assert first is s
 
     async def in_flight() -> tuple[Any, Any]:
         await s.lock.acquire()  # the first attempt's turn is in flight
         try:
-            retried = reg.resolve(m[:4], retry=True, user="u")
-            return retried, reg.resolve(m[:4], retry=True)  # (another scope)
+            retried = reg.resolve(m[:4], retry=True)
+            return retried, reg.resolve(m[:4], retry=True, user="u")  # (another scope)
         finally:
             s.lock.release()
 
-    retried, anon = asyncio.run(in_flight())
-    assert retried is s and anon is not s
+    retried, scoped = asyncio.run(in_flight())
+    assert retried is s and scoped is not s
     _commit(s, m[:4])  # the first attempt finished
-    assert reg.resolve(m[:4], retry=True, user="u") is s
-    other = reg.resolve(m[:4], user="u")  # no retry count: another run of the agent
-    assert other is not s and other.scope == "u"
-    assert reg.resolve(m[:6], retry=True, user="u") is s  # a retry nothing matches: as usual
+    assert reg.resolve(m[:4], retry=True) is s
+    other = reg.resolve(m[:4])  # no retry count: another run of the agent
+    assert other is not s and other.scope is None
+    assert reg.resolve(m[:6], retry=True) is s  # a retry nothing matches: as usual
+
+
+def test_a_regenerate_in_a_users_scope_continues_the_conversation() -> None:
+    """A chat front end's "regenerate" sends the user's last request again: within a user's
+    scope (one person, not parallel runs of an agent) it continues its conversation; an
+    anonymous identical request is still another run."""
+    m = agent_conversation()[-1]
+    reg = SessionRegistry(_core)
+    s = reg.resolve(m[:4], user="u")
+    _commit(s, m[:4])
+    assert reg.resolve(m[:4], user="u") is s  # regenerate
+    assert reg.resolve(m[:6], user="u") is s  # and on
+    anon = reg.resolve(m[:4])
+    _commit(anon, m[:4])
+    assert reg.resolve(m[:4]) is not anon

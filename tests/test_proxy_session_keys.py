@@ -386,3 +386,23 @@ def test_parallel_sampling_counts_the_prompt_prefilled_once(leyline_server: str)
     hit = warm.prompt_tokens - len(plans[1].tail)
     assert hit <= warm.prompt_tokens_details.cached_tokens <= hit + 2
     assert records[1]["server_cached_tokens"] == warm.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.sglang
+def test_a_regenerate_under_a_user_stays_in_its_conversation(leyline_server: str) -> None:
+    """A chat front end's "regenerate" (the same request again, ``user`` set): the same session,
+    a full hit, no splice; the conversation goes on in it (before this: a second session of
+    the user, its history prefilled cold in its own namespace)."""
+    turns = _chat_turns("storm surge", 3)
+    plans = expected_plans("none", turns)
+    user = new_id("regen")
+    with serve_proxy(leyline_server, "none") as proxy:
+        client = openai_client(proxy)
+        usage = run_turns(client, [turns[0], turns[1], turns[1], turns[2]], user=user)
+        [summary] = httpx.get(proxy + "/leyline/sessions", timeout=10).json()["sessions"]
+        records = session_detail(proxy, summary["id"])["records"]
+    assert summary["turns"] == 4 and summary["user"] == user
+    prompt, cached = usage[2]
+    assert prompt == len(plans[1].tokens) and cached >= prompt - 1  # the regenerate: a hit
+    assert not records[2]["spliced"] and records[2]["directives_amortize"] == 0
+    assert usage[3][1] == usage[3][0] - len(plans[2].tail)

@@ -38,6 +38,8 @@ def best_match(
     candidates: Sequence[ProxySession],
     messages: Sequence[Mapping[str, Any]],
     min_shared: float = MIN_SHARED,
+    *,
+    repeat: bool = False,
 ) -> ProxySession | None:
     """The session of ``candidates`` (same tenant, scope and salt, no turn in flight) that the
     request ``messages`` continues, if any.
@@ -51,7 +53,9 @@ def best_match(
     an edited history; an edited history (the agent rewrote or dropped an earlier message)
     qualifies only when the shared part is at least ``min_shared`` of the session's history. A
     tie means identical histories (two runs of one agent in lockstep): it goes to the least
-    recently used, so runs that alternate turns keep their own sessions.
+    recently used, so runs that alternate turns keep their own sessions. ``repeat`` (a user's
+    scope: one person, not parallel runs of an agent): a request equal to a session's history
+    (a chat front end's "regenerate") continues it too.
     """
     incoming: list[dict[str, Any]] | None = None
     best: tuple[tuple[int, bool, float], ProxySession] | None = None
@@ -67,7 +71,9 @@ def best_match(
         j = None if exact else window(forms, incoming, n)
         if j is not None:
             common += sizes[-1] - sizes[j - 1]
-        elif len(forms) >= len(incoming) or n == 0:
+        elif n == 0 or len(forms) > len(incoming):
+            continue
+        elif len(forms) == len(incoming) and not (repeat and exact):
             continue
         if not exact and common < min_shared * sizes[-1]:
             continue

@@ -294,7 +294,7 @@ class SessionRegistry:
             if not s.named and s.scope == user and s.tenant == tenant
             and s.core.placement.salt == cache_salt and not s.lock.locked()
         ]  # fmt: skip
-        session = best_match(candidates, messages, self._min_shared)
+        session = best_match(candidates, messages, self._min_shared, repeat=user is not None)
         if session is not None and session.source == "new":
             session.source = "prefix"
         return session
