@@ -7,13 +7,14 @@
   pinned for its hour while the 5-minute marker on the last message moves on. After a marked turn
   (``pin_marked``) every breakpoint is pinned again: a new pin first, then the previous pin of the
   same prefix released (a renewal: the TTL starts again, as Anthropic refreshes a cache entry on
-  use); then the session's pins of prefixes the turn no longer marks are released (both counted
-  in ``replaced``). Released rather than left to expire: a prefix the client stopped marking is
-  one it no longer asks to keep (a moved marker's new prefix covers the old one; after an edit the
-  old prefix is not this session's any more), and its pin would only hold room under the server's
-  cap on pinned slots (429 for every session) and make splices over it copy. A pin past its
-  ``expires_at`` is not ``live`` any more (the server released it) and is forgotten by the next
-  marked turn.
+  use). A pin of a prefix the turn no longer marks is then released when it is of no use (counted
+  in ``replaced`` too): its prefix is not the session's any more (an edit before its end: it only
+  holds room under the server's cap and makes splices over it copy), or a pin made by this turn
+  covers it for at least as long (a moved marker: nothing is lost). Otherwise it is left to expire
+  with its TTL, as Anthropic keeps a cache entry for its TTL whether or not later requests mark it
+  (a 1-hour system prompt marked once, then only the last message marked for 5 minutes, stays
+  pinned for its hour). A pin past its ``expires_at`` is not ``live`` any more (the server
+  released it) and is forgotten by the next marked turn.
 - **Fork**: a new session starts from another one's state. A private parent's held tokens are
   copied into the child's own namespace (``POST /leyline/fork``; the child is private from then
   on, so its splices never touch the parent's KV); a shared parent's are already in the shared
@@ -25,7 +26,7 @@ Pure Python (the backend through ``LeylineClient``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from leyline_agent.client import PinRejected
@@ -65,6 +66,7 @@ class SessionPins:
         # reader (the proxy's session record, on the event loop) never sees it change under it
         # while a turn's pins are made in a worker thread
         self.pins: dict[int, PinResponse] = {}
+        self._held: dict[str, int] = {}  # pin id -> digest of the tokens it pins (``_digest``)
         self.replaced = 0  # previous pins released (renewed, or no longer marked); not expired ones
 
     def live(self) -> list[PinResponse]:
@@ -81,6 +83,7 @@ class SessionPins:
 
     def _unpin(self, old: PinResponse) -> None:
         """Release ``old`` (counted in ``replaced``); one that expired already is no error."""
+        self._held.pop(old.pin_id, None)
         try:
             self.replaced += self.placement.client.unpin(old.pin_id)
         except PinRejected as e:
@@ -98,6 +101,7 @@ class SessionPins:
         )  # fmt: skip
         old = self.pins.get(len(tokens))
         self.pins = {**self.pins, len(tokens): new}
+        self._held[new.pin_id] = _digest(tokens)
         if old is not None and old.pin_id != new.pin_id:
             try:
                 self._unpin(old)
@@ -157,11 +161,14 @@ class SessionPins:
     ) -> PinOutcome:
         """After a turn: pin every breakpoint (``breakpoints``) for its own TTL, renewing the
         session's pin of the same prefix; then, when every one was pinned, release the session's
-        pins of prefixes no longer marked (when one was refused they stay until their TTL, as
-        the refused breakpoint's previous pin does). Refusals are returned, never raised."""
+        pins of prefixes no longer marked that are of no use (``_of_no_use``; the others, and
+        all of them when a pin was refused, stay until their TTL, as the refused breakpoint's
+        previous pin does). Refusals are returned, never raised."""
         wanted = self.breakpoints(held, plan, markers, decode)
         now = self.clock()  # the expired ones forgotten (the server released them)
         self.pins = {end: p for end, p in self.pins.items() if p.expires_at > now}
+        self._held = {p.pin_id: self._held[p.pin_id] for p in self.pins.values()
+                      if p.pin_id in self._held}  # fmt: skip
         before = self.replaced
         made: list[PinResponse] = []
         refused: list[PinRejected] = []
@@ -177,23 +184,39 @@ class SessionPins:
                 stale.append(failed)
         if wanted and not refused:
             for end in sorted(set(self.pins) - set(wanted)):
+                old = self.pins[end]
+                if not self._of_no_use(old, end, held, made):
+                    continue  # NOTE: left to expire with its TTL
+                self.pins = {k: p for k, p in self.pins.items() if k != end}
                 try:
-                    old = self.pins[end]
-                    self.pins = {k: p for k, p in self.pins.items() if k != end}
                     self._unpin(old)
                 except PinRejected as e:
                     stale.append(e)
         return PinOutcome(made, self.replaced - before, refused, stale)
 
+    def _of_no_use(
+        self, old: PinResponse, end: int, held: Sequence[int], made: Collection[PinResponse]
+    ) -> bool:
+        """Whether a pin the turn no longer marks may go (module docstring): the session no
+        longer holds its prefix, or a pin made by this turn covers it at least as long."""
+        if len(held) < end or self._held.get(old.pin_id) != _digest(held[:end]):
+            return True
+        return any(p.pinned_tokens >= end and p.expires_at >= old.expires_at for p in made)
+
     def release(self) -> int:
         """Release every pin of the session (owner: its own namespace); the number released.
         Raises ``PinRejected``."""
-        self.pins = {}
+        self.pins, self._held = {}, {}
         return self.placement.client.unpin(owner=self.placement.own)
 
     def forget(self) -> None:
         """The pins stay on a backend the session left (until their TTL)."""
-        self.pins = {}
+        self.pins, self._held = {}, {}
+
+
+def _digest(tokens: Sequence[int]) -> int:
+    """What tells a pinned prefix from another of the same length (within this process)."""
+    return hash(tuple(tokens))
 
 
 def fork(child: SessionCore, parent: SessionCore) -> ForkResponse | None:

@@ -159,6 +159,37 @@ def test_two_breakpoints_two_pins_each_with_its_ttl_renewed_released_and_expired
     assert core.pins.release() == 1 and core.pins.live() == []
 
 
+def test_a_breakpoint_no_longer_marked_stays_for_its_ttl_unless_of_no_use() -> None:
+    """As Anthropic keeps a cache entry for its TTL whether or not later requests mark it: the
+    1-hour system pin stays when only the last message is marked; the moved 5-minute pin goes
+    (the new one covers it for longer); after an edit of the system prompt both go (their
+    prefixes are not the session's any more)."""
+    client = FakeBackend()
+    core = _core(client, "a", policy="none")
+    decode = core.wrapper.renderer.decode
+    turns = agent_conversation()
+    pending = _turn(core, turns[1])
+    marked = cache_markers(_claude_code(turns[1], "5m"))
+    system, last = core.pins.pin_marked(core.wrapper.tokens, pending.plan, marked, decode).made
+    client.now += 1.0
+    pending = _turn(core, turns[2])
+    only_last = [Marker(len(turns[2]) - 1, 300.0, "5m")]
+    outcome = core.pins.pin_marked(core.wrapper.tokens, pending.plan, only_last, decode)
+    [moved] = outcome.made
+    assert outcome.replaced == 1 and client.calls[-1] == ("unpin", {"pin_id": last.pin_id,
+                                                                    "owner": None})  # fmt: skip
+    assert core.pins.live() == [system, moved]  # the 1-hour one kept, not renewed
+    edited = [{**turns[3][0], "content": "You are a terse engineer."}, *turns[3][1:]]
+    pending = _turn(core, edited)
+    assert pending.plan.directives  # spliced: the system prompt changed
+    only_last = [Marker(len(edited) - 1, 300.0, "5m")]
+    outcome = core.pins.pin_marked(core.wrapper.tokens, pending.plan, only_last, decode)
+    [fresh] = outcome.made
+    assert outcome.replaced == 2 and core.pins.live() == [fresh]
+    unpinned = [kw["pin_id"] for name, kw in client.calls if name == "unpin"][-2:]
+    assert unpinned == [system.pin_id, moved.pin_id]
+
+
 def test_a_refused_breakpoint_keeps_the_other_pins() -> None:
     client = FakeBackend()
     core = _core(client, "a", policy="none")

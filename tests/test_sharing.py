@@ -292,13 +292,15 @@ def test_proxy_pins_count_replacements_and_ttl_problems_and_show_the_last_refusa
         marked_turn(0, "25h")
         marked_turn(1, "abc")
     c = retention.counters
-    assert (c.pins, c.pins_replaced, c.pin_ttl_clamped, c.pin_ttl_invalid) == (2, 1, 1, 1)
+    # the 24-hour pin stays: the 300 s one covering it would not keep it as long
+    assert (c.pins, c.pins_replaced, c.pin_ttl_clamped, c.pin_ttl_invalid) == (2, 0, 1, 1)
     assert [kw["ttl_s"] for name, kw in client.calls if name == "pin"] == [86400.0, DEFAULT_TTL_S]
     assert "'25h' is above the maximum" in caplog.text and "'abc' is malformed" in caplog.text
     pin = session.summary()["pin"]
-    assert pin == {"pin_id": "p1", "pinned_tokens": client.calls[-2][1]["tokens"].__len__(),
+    assert pin == {"pin_id": "p1", "pinned_tokens": len(client.calls[-1][1]["tokens"]),
                    "ttl_s": DEFAULT_TTL_S, "expires_at": 1000.0 + DEFAULT_TTL_S}  # fmt: skip
-    assert session.summary()["pins"] == [pin]
+    assert [p["pin_id"] for p in session.summary()["pins"]] == ["p0", "p1"]
+    assert session.summary()["pins"][-1] == pin
     assert session.summary()["pin_error"] is None
     client.refuse = "pin"
     marked_turn(2, "5m")
@@ -306,10 +308,11 @@ def test_proxy_pins_count_replacements_and_ttl_problems_and_show_the_last_refusa
     assert record["pin"]["pin_id"] == "p1"  # the previous pin stays
     assert record["pin_error"] == {"turn": 2, "status": 429, "reason": "pin_cap",
                                    "message": "8,107 of 8,192 slots pinned: over the cap"}  # fmt: skip
-    assert (c.pins, c.pins_refused, c.pins_replaced) == (2, 1, 1)
+    assert (c.pins, c.pins_refused, c.pins_replaced) == (2, 1, 0)
     client.refuse = ""
     marked_turn(3, None)
-    assert session.summary()["pin_error"] is None and c.pins_replaced == 2
+    assert session.summary()["pin_error"] is None and c.pins_replaced == 1  # p1, covered by p3
+    assert [p["ttl_s"] for p in session.summary()["pins"]] == [86400.0, DEFAULT_TTL_S]
 
 
 # --- naming a session: X-Leyline-Fork-From, /leyline/sessions/{id} ----------------------------

@@ -210,8 +210,8 @@ _RETENTION: tuple[tuple[str, str, str], ...] = (
     ("pins_refused", "pins_refused_total", "Pins refused by the server's cap on pinned slots "
      "(429)."),
     ("pin_errors", "pin_errors_total", "Pins refused otherwise (not cached, unreachable)."),
-    ("pins_replaced", "pins_replaced_total", "Pins released by their session's next marked "
-     "turn: renewed, or their breakpoint no longer marked (not those that expired first)."),
+    ("pins_replaced", "pins_replaced_total", "Pins released by a later marked turn of their "
+     "session: renewed, or no longer marked and of no use (not those that expired first)."),
     ("pins_released", "pins_released_total", "Pins released when their session ended (dropped "
      "past max_sessions, or DELETE /leyline/sessions/{id}); replaced pins are not counted here."),
     ("pin_ttl_clamped", "pin_ttl_clamped_total", "cache_control markers whose ttl was above the "

@@ -6,10 +6,11 @@ starts a session from another one, and an ended session's pins are released.
   marked message, or of the tools) is pinned on the session's backend for that marker's own TTL
   (300 s by default); one pin per breakpoint, renewed every turn that marks it again (the new one
   first, then the old one released: ``pins_replaced``), and a pin of a prefix the turn no longer
-  marks released (``pins_replaced`` too; see ``leyline_agent.retention``). A refusal, the
-  server's cap on pinned slots (429) included, is logged, counted and shown in the session's
-  record (``ProxySession.pin_error``), never an error of the client's request. So is a marker's
-  TTL that was not taken as sent (``markers.parse_ttl``): clamped to 24 h, or malformed and the
+  marks released when of no use (edited, or covered as long by a new pin: ``pins_replaced`` too),
+  else left to its TTL (see ``leyline_agent.retention``). A refusal, the server's cap on pinned
+  slots (429) included, is logged, counted and shown in the session's record
+  (``ProxySession.pin_error``), never an error of the client's request. So is a marker's TTL
+  that was not taken as sent (``markers.parse_ttl``): clamped to 24 h, or malformed and the
   default.
 - **Fork** (``fork_session``): a new session's first request naming a parent starts from the
   parent's history (``leyline_agent.retention.fork``); it is routed to the parent's backend, where a private
