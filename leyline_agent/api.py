@@ -44,7 +44,8 @@ class LeylineSession:
     Messages and tools may carry Anthropic-style ``cache_control`` markers (at most 4): after the
     turn the prompt up to each marked message (or the tools) is pinned for that marker's own TTL
     (``SessionPins.pin_marked``: one pin per breakpoint, renewed when marked again, released when
-    no longer marked); a refused pin never fails the turn (``pin_error``: the last refusal). ``fork()`` starts a sub-agent from this session; ``close()`` releases the
+    no longer marked and of no use); a refused pin never fails the turn (``pin_error``: the last
+    refusal). ``fork()`` starts a sub-agent from this session; ``close()`` releases the
     session's pins.
     """
 
