@@ -80,6 +80,7 @@ def prepare(
     *,
     context_len: int | None = None,
     policy: Policy | None = None,
+    fit_budget: bool = False,
 ) -> ChatTurn:
     """Check, plan and splice one chat-completions ``body`` (OpenAI's, with SGLang's extras).
 
@@ -90,6 +91,9 @@ def prepare(
         context_len: the backend's context length (None: unknown, not checked).
         policy: this turn's own edits after the session's policy (e.g. the context editing an
             Anthropic request asks for).
+        fit_budget: the completion budget (``max_tokens``) is a cap: lowered to what the
+            context leaves after the prompt instead of refused (the Messages API's clients ask
+            for the model's whole output limit, Claude Code 128,000 tokens).
 
     Raises:
         RequestRefused: the backend would refuse the request (its message), found before any
@@ -118,11 +122,17 @@ def prepare(
         view, view_tools, template_kwargs=template_kwargs(body), final=final,
         continued=continued, policy=policy,
     )  # fmt: skip
-    refused = length_error(len(pending.plan.tokens), max_new_tokens(body), context_len)
+    prompt, budget = len(pending.plan.tokens), max_new_tokens(body)
+    if fit_budget and context_len and budget is not None and prompt < context_len:
+        budget = min(budget, context_len - prompt)  # NOTE: a cap, not a demand (Messages API)
+    refused = length_error(prompt, budget, context_len)
     if refused is not None:
         raise RequestRefused(refused)
     core.splice(pending)
     forward = core.chat_body(pending, body)
+    if budget is not None and budget != max_new_tokens(body):
+        forward.pop("max_completion_tokens", None)
+        forward["max_tokens"] = budget
     if body.get("stream"):
         options = body.get("stream_options") or {}
         forward["stream_options"] = {**options, "include_usage": True}

@@ -70,6 +70,7 @@ def test_request_view_maps_every_field() -> None:
         "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "messages": [
             {"role": "user", "content": "Fix it."},
+            {"role": "system", "content": [{"type": "text", "text": "Mind the tests."}]},
             {"role": "assistant", "content": [
                 {"type": "thinking", "thinking": "look first", "signature": "s"},
                 {"type": "redacted_thinking", "data": "opaque"},
@@ -87,6 +88,7 @@ def test_request_view_maps_every_field() -> None:
         "messages": [
             {"role": "system", "content": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
             {"role": "user", "content": "Fix it."},
+            {"role": "system", "content": "Mind the tests."},
             {"role": "assistant", "content": "", "reasoning_content": "look first",
              "tool_calls": [{"id": "t1", "type": "function",
                              "function": {"name": "read_file", "arguments": '{"path": "ü.py"}'}}]},
@@ -101,7 +103,7 @@ def test_request_view_maps_every_field() -> None:
     "body, match",
     [({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
      ({"max_tokens": 1, "messages": []}, "at least one message"),
-     ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+     ({"max_tokens": 1, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
      ({"max_tokens": 1, "messages": [{"role": "user", "content": [
          {"type": "image", "source": {}}]}]}, "messages.0.content.0: image"),
      ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
@@ -112,6 +114,38 @@ def test_request_view_maps_every_field() -> None:
 def test_what_is_not_served_is_a_400_that_names_it(body: dict[str, Any], match: str) -> None:
     with pytest.raises(MessagesError, match=match):
         chat_body(body)
+
+
+def test_blocks_merged_into_one_message_keep_the_longest_ttl() -> None:
+    hour, five = {"type": "ephemeral", "ttl": "1h"}, {"type": "ephemeral", "ttl": "5m"}
+    for marks in ((hour, five), (five, hour)):
+        blocks = [
+            {"type": "text", "text": t, "cache_control": m}
+            for t, m in zip("ab", marks, strict=True)
+        ]
+        chat = chat_body(
+            {"max_tokens": 1, "system": blocks, "messages": [{"role": "user", "content": blocks}]}
+        )
+        assert [m["cache_control"] for m in chat["messages"]] == [hour, hour]
+
+
+def test_max_tokens_is_a_cap_that_fits_the_context() -> None:
+    """The Messages route's budget (Claude Code asks 128,000) is lowered to what the context
+    leaves after the prompt (``fit_budget``); on the chat route the same request is refused."""
+    from leyline_agent.chat_turn import RequestRefused, prepare
+    from leyline_agent.client import LeylineClient
+    from leyline_agent.session import SessionCore
+    from leyline_agent.wrapper import ConversationWrapper
+
+    core = SessionCore(LeylineClient("http://127.0.0.1:9"), ConversationWrapper())
+    body = chat_body(
+        {"model": "m", "max_tokens": 10**6, "messages": [{"role": "user", "content": "x"}]}
+    )
+    turn = prepare(core, body, context_len=1000, fit_budget=True)  # nothing sent: no directive
+    assert turn.body["max_tokens"] == 1000 - len(turn.pending.plan.tokens) > 900
+    with pytest.raises(RequestRefused, match="maximum context length of 1000"):
+        prepare(SessionCore(LeylineClient("http://127.0.0.1:9"), ConversationWrapper()), body,
+                context_len=1000)  # fmt: skip
 
 
 def test_usage_and_blocks() -> None:
@@ -234,10 +268,13 @@ def test_errors_in_anthropic_format_and_claude_codes_session_header(proxy: str) 
                                           "media_type": "image/png", "data": "AA=="}}]}])  # fmt: skip
     assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
                             "message": "messages.0.content.0: image blocks are not served by this backend (text only)"}}  # fmt: skip
-    with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
-        c.messages.create(
-            model="default", max_tokens=10**6, messages=[{"role": "user", "content": "x"}]
-        )
+    with pytest.raises(anthropic.BadRequestError, match="longer than the model's context length"):
+        c.messages.create(model="default", max_tokens=1,
+                          messages=[{"role": "user", "content": "word " * 140_000}])  # fmt: skip
+    marked = {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}
+    with pytest.raises(anthropic.BadRequestError, match="A maximum of 4 blocks with cache_control"):
+        c.messages.create(model="default", max_tokens=1, system=[marked, marked],  # type: ignore[list-item]
+                          messages=[{"role": "user", "content": [marked, marked, marked]}])  # type: ignore[list-item]  # fmt: skip
     sid = uuid.uuid4().hex
     cc = client(proxy, **{"X-Claude-Code-Session-Id": sid})
     ids = set()

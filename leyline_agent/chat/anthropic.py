@@ -31,6 +31,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from leyline_agent.markers import parse_ttl
+
 Message = dict[str, Any]
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 NOT_SERVED = ("image", "document", "search_result", "server_tool_use", "web_search_tool_result")
@@ -67,8 +69,16 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _marked(message: Message, block: Mapping[str, Any]) -> Message:
-    if isinstance(block.get("cache_control"), Mapping):
-        message["cache_control"] = dict(block["cache_control"])
+    """``message`` with ``block``'s ``cache_control`` marker; of several blocks' markers in one
+    message, the one with the longest TTL (each breakpoint keeps its TTL: ``markers.py``)."""
+    mark = block.get("cache_control")
+    if isinstance(mark, Mapping):
+        old = message.get("cache_control")
+        if (
+            not isinstance(old, Mapping)
+            or parse_ttl(mark.get("ttl")).seconds >= parse_ttl(old.get("ttl")).seconds
+        ):
+            message["cache_control"] = dict(mark)
     return message
 
 
@@ -135,10 +145,15 @@ def chat_messages(body: Mapping[str, Any]) -> list[Message]:
         role = m.get("role") if isinstance(m, Mapping) else None
         if role == "user":
             out.extend(user_messages(m.get("content"), where))
+        elif role == "system":  # NOTE: mid-conversation system text (Claude Code 2.1)
+            message = {"role": "system", "content": _text_of(m.get("content"), where)}
+            for block in m.get("content") if isinstance(m.get("content"), list) else []:
+                _marked(message, block)
+            out.append(message)
         elif role == "assistant":
             out.append(assistant_message(m.get("content"), where))
         else:
-            raise MessagesError(f"{where}.role: must be 'user' or 'assistant'")
+            raise MessagesError(f"{where}.role: must be 'user', 'assistant' or 'system'")
     return out
 
 

@@ -39,7 +39,7 @@ from leyline_agent.chat.anthropic import (
 from leyline_agent.chat.context_editing import applied_edits, context_policy
 from leyline_agent.chat.openai import chat_request_view
 from leyline_agent.chat_turn import ChatTurn
-from leyline_agent.markers import TOOLS, marked_end
+from leyline_agent.markers import TOOLS, breakpoint_error, marked_end
 from leyline_agent.policies import Policy
 from leyline_agent.proxy.chat import ChatView, serve_turn
 
@@ -75,6 +75,7 @@ class AnthropicView(ChatView):
     """The Messages format of one request's answer (module docstring)."""
 
     route = "/v1/messages"
+    fit_budget = True  # Claude Code asks max_tokens 128,000 whatever the context
 
     def __init__(
         self,
@@ -207,6 +208,13 @@ async def create_message(proxy: LeylineProxy, request: Request) -> Response:
         policy = context_policy(body.get("context_management"))
     except MessagesError as e:
         return anthropic_error(400, str(e))
+    system = body.get("system")  # NOTE: count the blocks as sent (chat_body merges them)
+    too_many = breakpoint_error(
+        [*([{"content": system}] if isinstance(system, list) else []), *body["messages"]],
+        body.get("tools"),
+    )
+    if too_many is not None:
+        return anthropic_error(400, too_many)
     count = (lambda t: len(proxy.renderer.encode(t))) if "context_management" in body else None
     claude_session = request.headers.get(CLAUDE_CODE_SESSION)
     if claude_session and not chat.get("prompt_cache_key"):

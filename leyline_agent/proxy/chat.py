@@ -131,6 +131,7 @@ class ChatView:
 
     route = "/v1/chat/completions"
     policy: Policy | None = None  # this request's own edits after the session's policy
+    fit_budget = False  # max_tokens is a cap to fit the context (chat_turn.prepare)
 
     def error(self, status: int, message: str, kind: str, headers: Mapping[str, str]) -> Response:
         """The proxy's own refusal (bad session reference, a policy that cannot apply)."""
@@ -210,7 +211,13 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
         nonlocal turn, t0, handed_over
         try:
             prepared = await anyio.to_thread.run_sync(
-                lambda: prepare(session.core, body, context_len=context_len, policy=view.policy)
+                lambda: prepare(
+                    session.core,
+                    body,
+                    context_len=context_len,
+                    policy=view.policy,
+                    fit_budget=view.fit_budget,
+                )
             )
         except (RequestRefused, jinja2.TemplateError) as e:  # what the backend would say
             return view.refused(str(e), headers)
