@@ -57,9 +57,14 @@ def test_summary_takes_medians() -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux /proc")
 def test_process_memory_reads_proc() -> None:
-    m = process_memory(os.getpid())
+    # NOTE: a process of our own: the test session's server may be a child of this one
+    with subprocess.Popen(["sleep", "30"]) as child:
+        try:
+            m = process_memory(child.pid)
+        finally:
+            child.kill()
     assert m["source"] == "/proc" and m["processes"] >= 1 and m["total_rss_kib"] > 0
-    assert m["scheduler_hwm_kib"] is None  # no sglang scheduler below the test process
+    assert m["scheduler_hwm_kib"] is None  # no sglang scheduler below that process
     probe = ProcMemory(os.getpid())
     probe.reset()
     assert probe.read()["hwm_reset"] is True and probe.read()["total_rss_kib"] > 0

@@ -162,3 +162,10 @@ class TaskResult(BaseModel):
             else:
                 row[k] = v
         return row
+
+    def __getattr__(self, item: str) -> Any:
+        """A totals field read on the result (``result.turns``), as before ``totals`` nested
+        them."""
+        if item in TOTALS_FIELDS and "totals" in self.__dict__:
+            return getattr(self.__dict__["totals"], item)
+        return super().__getattr__(item)  # type: ignore[misc]
