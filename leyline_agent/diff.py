@@ -17,7 +17,7 @@ Diff rule (``diff_rendered``):
 3. Each run of consecutive changed ranges is trimmed by its longest common token prefix and
    suffix and, where it is small enough, matched token by token (difflib on the ids): every
    part that differs becomes one directive that touches only the differing tokens (parts fewer
-   than ``_MIN_KEEP`` equal tokens apart join), so that a template's small edits to several
+   than ``MIN_KEEP`` equal tokens apart join), so that a template's small edits to several
    earlier messages (think blocks dropped once a new user query follows) stay small directives
    however the spans fell. A directive's mode is the strongest mode of the policy edits behind
    the ranges it touches (``old_modes``/``new_modes``); a change no edit made (the agent rewrote
@@ -35,6 +35,12 @@ from typing import Any, Literal, NamedTuple
 
 from leyline_agent.chat.spans import Rendered
 from leyline_agent.directive import Directive, Mode, sort_and_check
+from leyline_agent.token_changes import (
+    Region,
+    common_prefix,
+    region_directives,
+    strongest_mode,
+)
 
 Opcode = tuple[Literal["replace", "delete", "insert", "equal"], int, int, int, int]
 
@@ -51,56 +57,13 @@ class Diff(NamedTuple):
     fallback: bool
 
 
-class _Region(NamedTuple):
-    old_start: int
-    old_end: int
-    new_start: int
-    new_end: int
-    mode: Mode | None  # None: unchanged tokens
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    # NOTE: compared by slices (C speed), doubling then halving: O(n) copying in all.
-    n = min(len(a), len(b))
-    if type(a) is not type(b):
-        a, b = list(a[:n]), list(b[:n])
-    lo, step = 0, 64
-    while lo < n:
-        hi = min(n, lo + step)
-        if a[lo:hi] != b[lo:hi]:
-            while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
-            return lo
-        lo, step = hi, step * 2
-    return n
-
-
-def _common_suffix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    la, lb = len(a), len(b)
-    n = min(limit, la, lb)
-    if type(a) is not type(b):
-        a, b, la, lb = list(a[la - n :]), list(b[lb - n :]), n, n
-    lo, step = 0, 64  # the last lo agree, as in _common_prefix
-    while lo < n:
-        hi = min(n, lo + step)
-        if a[la - hi : la - lo] != b[lb - hi : lb - lo]:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                same = a[la - mid : la - lo] == b[lb - mid : lb - lo]
-                lo, hi = (mid, hi) if same else (lo, mid)
-            return lo
-        lo, step = hi, step * 2
-    return n
-
-
 def diff_tokens(old: Sequence[int], new: Sequence[int], mode: Mode = Mode.AMORTIZE) -> Diff:
     """Token-only diff: keep the common prefix, one directive drops the rest of ``old``.
 
     For callers without message spans. ``fallback`` is set when ``old`` is not a prefix of
     ``new``.
     """
-    p = _common_prefix(old, new)
+    p = common_prefix(old, new)
     if p == len(old):
         return Diff([], list(new[p:]), False)
     return Diff([Directive(start=p, end=len(old), mode=mode)], list(new[p:]), True)
@@ -150,13 +113,6 @@ def align_messages(
     return ops
 
 
-def _strongest(modes: Sequence[Mode | None]) -> Mode | None:
-    out: Mode | None = None
-    for mode in modes:
-        out = Mode.strongest(out, mode)
-    return out
-
-
 def _bounds(rendered: Rendered) -> list[int]:
     """Token index where each message starts, then where the last one ends."""
     if not rendered.spans:
@@ -204,13 +160,13 @@ def diff_rendered(
     nb = _bounds(new)
     N = new.tokens
     fallback = False
-    regions: list[_Region] = []
+    regions: list[Region] = []
 
     def add(a: int, b: int, c: int, d: int, mode: Mode | None, same_messages: bool) -> None:
         nonlocal fallback
         if mode is None and old_tokens[a:b] != N[c:d]:
             mode, fallback = default_mode, fallback or (same_messages and not tools_changed)
-        regions.append(_Region(a, b, c, d, mode))
+        regions.append(Region(a, b, c, d, mode))
 
     if not old_messages or not new_messages:
         ob, nb = [0] * (len(old_messages) + 1), [0] * (len(new_messages) + 1)
@@ -222,7 +178,7 @@ def diff_rendered(
             break
         if tag == "equal" and old_tokens[ob[i1] : ob[i2]] == N[nb[j1] : nb[j2]]:
             # NOTE: a run of unchanged messages whose tokens are unchanged: one region (C speed)
-            regions.append(_Region(ob[i1], ob[i2], nb[j1], nb[j2], None))
+            regions.append(Region(ob[i1], ob[i2], nb[j1], nb[j2], None))
             continue
         pairs = [(i1 + t, i1 + t + 1, j1 + t, j1 + t + 1) for t in range(i2 - i1)]
         if i2 - i1 != j2 - j1:
@@ -231,99 +187,17 @@ def diff_rendered(
             if tag == "equal":
                 add(ob[a], ob[b], nb[c], nb[d], None, True)
             else:
-                mode = _strongest([*old_modes[a:b], *new_modes[c:d]]) or default_mode
+                mode = strongest_mode([*old_modes[a:b], *new_modes[c:d]]) or default_mode
                 add(ob[a], ob[b], nb[c], nb[d], mode, False)
     # The old generation prompt (and anything after it) against what now follows.
     g_start, r_start = ob[len(old_messages)], nb[j_app]
-    g = _common_prefix(old_tokens[g_start:], N[r_start:])
+    g = common_prefix(old_tokens[g_start:], N[r_start:])
     add(g_start, g_start + g, r_start, r_start + g, None, False)
     add(g_start + g, len(old_tokens), r_start + g, r_start + g, None, False)
     tail = list(N[r_start + g :])
 
-    directives = _directives(old_tokens, N, regions)
+    directives = region_directives(old_tokens, N, regions)
     if _edited(old_tokens, directives) + tail != N:  # never expected; stay exact
         cover = diff_tokens(old_tokens, N, default_mode)
         return Diff(cover.directives, cover.tail, True)
     return Diff(directives, tail, fallback)
-
-
-_MIN_KEEP = 4  # equal tokens between two changes kept apart (fewer: one directive covers both)
-_MAX_CELLS = (
-    1 << 20
-)  # old x new tokens of a changed run matched token by token (more: trimmed only)
-
-
-def _changes(
-    old: Sequence[int], new: Sequence[int], whole: bool = True
-) -> list[tuple[int, int, int, int]] | None:
-    """``(old_start, old_end, new_start, new_end)`` of what differs between ``old`` and ``new``:
-    the common prefix and suffix trimmed, then, for a run small enough, difflib's opcodes on the
-    token ids (autojunk off), changes fewer than ``_MIN_KEEP`` equal tokens apart joined. A run
-    too big to match: one change (None unless ``whole``)."""
-    k = _common_prefix(old, new)
-    k2 = _common_suffix(old, new, min(len(old), len(new)) - k)
-    a, b, c, d = k, len(old) - k2, k, len(new) - k2
-    if a == b and c == d:
-        return []
-    if a == b or c == d:
-        return [(a, b, c, d)]
-    if (b - a) * (d - c) > _MAX_CELLS:
-        return [(a, b, c, d)] if whole else None
-    out: list[tuple[int, int, int, int]] = []
-    ops = difflib.SequenceMatcher(None, old[a:b], new[c:d], autojunk=False).get_opcodes()
-    for tag, i1, i2, j1, j2 in ops:
-        if tag == "equal":
-            continue
-        if out and a + i1 - out[-1][1] < _MIN_KEEP:
-            out[-1] = (out[-1][0], a + i2, out[-1][2], c + j2)
-        else:
-            out.append((a + i1, a + i2, c + j1, c + j2))
-    return out
-
-
-def _directives(old: list[int], new: list[int], regions: list[_Region]) -> list[Directive]:
-    """The directives of each run of consecutive changed regions: the tokens that differ
-    (``_changes``), so that changes to several messages (a template dropping think blocks from
-    every earlier turn) stay apart however the spans fell (a run too big to match as one: region
-    by region); directives that touch merge. A directive's mode is the strongest of the changed
-    regions it touches."""
-    out: list[Directive] = []
-    i = 0
-    while i < len(regions):
-        if regions[i].mode is None:
-            i += 1
-            continue
-        j = i
-        while j < len(regions) and regions[j].mode is not None:
-            j += 1
-        run = regions[i:j]
-        a, c = run[0].old_start, run[0].new_start
-        changes = _changes(old[a : run[-1].old_end], new[c : run[-1].new_end], whole=False)
-        if changes is not None:
-            found = [(s + a, e + a, s2 + c, e2 + c) for s, e, s2, e2 in changes]
-        else:  # too big to match as one run: region by region
-            found = []
-            for r in run:
-                for s, e, s2, e2 in (
-                    _changes(old[r.old_start : r.old_end], new[r.new_start : r.new_end]) or []
-                ):
-                    found.append(
-                        (s + r.old_start, e + r.old_start, s2 + r.new_start, e2 + r.new_start)
-                    )
-        for s, e, s2, e2 in found:
-            mode = _strongest(
-                [
-                    r.mode
-                    for r in run
-                    if (r.old_start < e and s < r.old_end)
-                    or (r.new_start < e2 and s2 < r.new_end)
-                    or (r.old_start <= s <= r.old_end and r.new_start <= s2 <= r.new_end)
-                ]
-            )
-            repl = tuple(new[s2:e2])
-            if out and out[-1].end == s:  # touching (or two insertions at one point): merge
-                prev = out.pop()
-                s, repl, mode = prev.start, prev.replacement + repl, Mode.strongest(prev.mode, mode)
-            out.append(Directive(start=s, end=e, replacement=repl, mode=mode or Mode.AMORTIZE))
-        i = j
-    return out

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "leyline_agent"
 AGENT_CORE = [
     "wire.py", "directive.py", "messages.py", "markers.py", "client.py", "placement.py",
     "retention.py", "session.py", "chat_turn.py", "generate_turn.py", "api.py", "accounting.py",
-    "wrapper.py", "diff.py", *[f"proxy/{p.name}" for p in sorted((PACKAGE / "proxy").glob("*.py"))],
+    "wrapper.py", "diff.py", "token_changes.py", *[f"proxy/{p.name}" for p in sorted((PACKAGE / "proxy").glob("*.py"))],
     *[f"chat/{p.name}" for p in sorted((PACKAGE / "chat").glob("*.py"))],
 ]  # fmt: skip
 

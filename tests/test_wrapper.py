@@ -340,7 +340,7 @@ def test_template_edits_to_several_messages_stay_apart_whatever_the_spans(
     think blocks once a follow-up comes) are three directives, also when the new spans fall
     wrongly (every inner boundary shifted), and also when the run is too big to match as one
     (then region by region)."""
-    from leyline_agent import diff as diff_module
+    from leyline_agent import token_changes as diff_module
     from leyline_agent.chat.spans import Rendered
 
     msgs = conversation(3)
@@ -362,12 +362,12 @@ def test_template_edits_to_several_messages_stay_apart_whatever_the_spans(
             (s, e, ()) for s, e in cuts
         ]
         assert apply_directives(old.tokens, d.directives) + d.tail == tokens and d.fallback
-    small = diff_module._MAX_CELLS  # noqa: SLF001
+    small = diff_module.MAX_CELLS
     try:
-        diff_module._MAX_CELLS = 16  # noqa: SLF001
+        diff_module.MAX_CELLS = 16
         d = diff_rendered(msgs, old, msgs, Rendered(tokens, exact))
         assert [(x.start, x.end) for x in d.directives] == cuts
         d = diff_rendered(msgs, old, msgs, Rendered(tokens, shifted))  # exact, if not minimal
         assert apply_directives(old.tokens, d.directives) + d.tail == tokens
     finally:
-        diff_module._MAX_CELLS = small  # noqa: SLF001
+        diff_module.MAX_CELLS = small
