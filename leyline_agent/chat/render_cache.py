@@ -29,13 +29,13 @@ from __future__ import annotations
 import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from copy import deepcopy
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 from leyline_agent.chat.head import STAND_IN, content_only, head_local, splice_head
 from leyline_agent.chat.locality import common_messages, full_text, splice_window
 from leyline_agent.chat.render import Renderer
+from leyline_agent.chat.render_state import RenderState, frozen
 from leyline_agent.chat.retokenize import (
     Seg,
     Starts,
@@ -45,7 +45,6 @@ from leyline_agent.chat.retokenize import (
     resplice,
 )
 from leyline_agent.chat.spans import (
-    Found,
     Message,
     Rendered,
     clamp_bounds,
@@ -55,29 +54,6 @@ from leyline_agent.chat.spans import (
 _MAX_PIECES = 4096  # remembered encoded pieces (about two messages each)
 _MAX_PIECE_CHARS = 1 << 23  # and at most this many characters of them
 _WINDOW_MIN = 2048  # a changed piece at least this long is re-tokenized around the change
-
-
-class _State(NamedTuple):
-    messages: list[Message]
-    tools: list[Any] | None
-    add_generation_prompt: bool
-    text: str
-    raw: list[int]  # boundaries before clamping
-    tokens: list[int]
-    starts: Starts  # first character of every token
-    cuts: list[int]  # token indices right after a special token (sorted)
-    rendered: Rendered
-    bounds: list[int]  # clamped
-    found: list[Found | None]  # content_positions
-    need: list[int]  # running maximum of found[k].need (0 for None)
-    pos: list[int]  # search position before each message, then after the last
-
-
-def _frozen(message: Message) -> Message:
-    """A copy the caller cannot change by mutating its message (nested values copied)."""
-    return {
-        k: v if isinstance(v, str | int | float | None) else deepcopy(v) for k, v in message.items()
-    }
 
 
 class IncrementalRenderer:
@@ -93,7 +69,7 @@ class IncrementalRenderer:
     def __init__(self, renderer: Renderer, states: int = 4, local: bool | None = None) -> None:
         self.renderer = renderer
         self.max_states = states
-        self._states: list[_State] = []
+        self._states: list[RenderState] = []
         self._local = local
         self._pieces: dict[str, tuple[list[int], Starts]] = {}
         self._piece_chars = 0
@@ -174,9 +150,9 @@ class IncrementalRenderer:
         rendered = Rendered(tokens, list(zip(cut, cut[1:], strict=False)), text)
         kept = best.messages[:m] if best is not None and m > 0 else []
         if head:
-            kept[0] = _frozen(messages[0])
-        state = _State(
-            [*kept, *map(_frozen, messages[len(kept) :])],
+            kept[0] = frozen(messages[0])
+        state = RenderState(
+            [*kept, *map(frozen, messages[len(kept) :])],
             tools_l,
             add_generation_prompt,
             text,
@@ -203,7 +179,7 @@ class IncrementalRenderer:
             if common_messages(last[0], window) == len(window) == len(last[0]):
                 return last[3]
         out = full_text(self.renderer, window, tools, agp)
-        self._last_head = ([_frozen(m) for m in window], tools, agp, out)
+        self._last_head = ([frozen(m) for m in window], tools, agp, out)
         return out
 
     def _stand_in(self, first: Message) -> Message:
@@ -225,7 +201,7 @@ class IncrementalRenderer:
             and head_local(self.renderer)
         )
 
-    def _encode(self, text: str, base: _State | None) -> tuple[list[int], Starts, list[int]]:
+    def _encode(self, text: str, base: RenderState | None) -> tuple[list[int], Starts, list[int]]:
         """Token ids, token starts and cut points of ``text``: ``base``'s ids up to the last cut
         inside the text both agree on, then piece by piece (a piece ends after a special token),
         each piece's ids remembered. A long first piece is re-tokenized from ``base``'s around the
@@ -283,7 +259,7 @@ class IncrementalRenderer:
                 return tokens, Starts(segs), cuts
 
     @staticmethod
-    def _reusable(base: _State, at: int, lo: int, agree: int) -> int:
+    def _reusable(base: RenderState, at: int, lo: int, agree: int) -> int:
         """How many of ``base.cuts`` (from index ``lo``) lie inside ``base.text[at:at + agree]``,
         the stretch the new text agrees with, plus ``lo``."""
         # NOTE: token i - 1 ends where token i starts; a cut at i is reusable when that end
@@ -296,7 +272,7 @@ class IncrementalRenderer:
         return self.renderer.tokenizer.encode(text, add_special_tokens=False)
 
     def _resplice(
-        self, base: _State, i: int, j: int, p: int, piece: str
+        self, base: RenderState, i: int, j: int, p: int, piece: str
     ) -> tuple[list[int], Starts] | None:
         """``piece`` (at ``p``) re-tokenized from ``base``'s piece at ``p`` (its tokens from ``i``
         to the next cut after ``base.cuts[j - 1]``), or None (encode it in full)."""
@@ -310,7 +286,7 @@ class IncrementalRenderer:
         old_ids, old_starts = base.tokens[i:c], base.starts.slice(i, c, -p)
         return resplice(self._encoder, old, old_ids, old_starts, piece, self.stats)
 
-    def _remember(self, used: _State | None, state: _State) -> None:
+    def _remember(self, used: RenderState | None, state: RenderState) -> None:
         """Most recent first: the new state, then the one it was made from, then the rest."""
         rest = [s for s in self._states if s is not used and s is not state]
         self._states = [state, *([used] if used is not None and used is not state else []), *rest]
