@@ -42,6 +42,8 @@ from leyline_agent.chat_turn import ChatTurn
 from leyline_agent.markers import TOOLS, breakpoint_error, marked_end
 from leyline_agent.policies import Policy
 from leyline_agent.proxy.chat import ChatView, serve_turn
+from leyline_agent.proxy.relay import chunks
+from leyline_agent.proxy.responses import backend_message
 
 if TYPE_CHECKING:
     from leyline_agent.proxy.app import LeylineProxy
@@ -99,11 +101,7 @@ class AnthropicView(ChatView):
         return anthropic_error(400, message, headers)
 
     def backend_failed(self, r: httpx.Response, headers: Mapping[str, str]) -> Response:
-        try:
-            message = r.json().get("message") or r.text
-        except ValueError:
-            message = r.text
-        return anthropic_error(r.status_code, f"backend: {message}", headers)
+        return anthropic_error(r.status_code, f"backend: {backend_message(r)}", headers)
 
     def answer(self, data: dict[str, Any], turn: ChatTurn, headers: Mapping[str, str]) -> Response:
         choice = (data.get("choices") or [{}])[0]
@@ -133,14 +131,7 @@ class AnthropicView(ChatView):
         calls: dict[int, int] = {}  # chat tool-call index -> block index
         usage: dict[str, Any] | None = None
         finish: str | None = None
-        async for line in lines:
-            payload = line.strip()[5:].strip() if line.startswith("data:") else ""
-            if not payload or payload == "[DONE]":
-                continue
-            try:
-                chunk = json.loads(payload)
-            except ValueError:
-                continue
+        async for chunk in chunks(lines):
             if chunk.get("usage") and not chunk.get("choices"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:

@@ -36,7 +36,9 @@ from leyline_agent.chat.responses import (
 from leyline_agent.chat_turn import ChatTurn
 from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.chat import ChatView, serve_turn
+from leyline_agent.proxy.relay import chunks
 from leyline_agent.proxy.response_store import ResponseStore
+from leyline_agent.proxy.responses import backend_message
 
 if TYPE_CHECKING:
     from leyline_agent.proxy.app import LeylineProxy
@@ -81,10 +83,7 @@ class ResponsesView(ChatView):
         return openai_error(400, message, headers=headers)
 
     def backend_failed(self, r: httpx.Response, headers: Mapping[str, str]) -> Response:
-        try:
-            message = r.json().get("message") or r.text
-        except ValueError:
-            message = r.text
+        message = backend_message(r)
         kind = "invalid_request_error" if r.status_code < 500 else "server_error"
         return openai_error(r.status_code, f"backend: {message}", kind, headers=headers)
 
@@ -127,14 +126,7 @@ class ResponsesView(ChatView):
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] | None = None
         finish: str | None = None
-        async for line in lines:
-            payload = line.strip()[5:].strip() if line.startswith("data:") else ""
-            if not payload or payload == "[DONE]":
-                continue
-            try:
-                chunk = json.loads(payload)
-            except ValueError:
-                continue
+        async for chunk in chunks(lines):
             if chunk.get("usage") and not chunk.get("choices"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:

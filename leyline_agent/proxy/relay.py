@@ -100,3 +100,18 @@ async def relay(
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
+
+
+async def chunks(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of relayed SSE lines (``relay``'s output), in order: what another API's
+    stream view translates (``data: [DONE]``, blank and malformed lines skipped)."""
+    async for line in lines:
+        payload = line.strip()[5:].strip() if line.startswith("data:") else ""
+        if not payload or payload == "[DONE]":
+            continue
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(chunk, dict):
+            yield chunk

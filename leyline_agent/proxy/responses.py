@@ -46,3 +46,13 @@ def unreachable(
     return error_response(
         502, f"backend {backend_url} unreachable: {e!r}", "backend_unavailable", headers
     )
+
+
+def backend_message(r: httpx.Response) -> str:
+    """The message of a backend's (read) error answer: SGLang's ``message``, else its text."""
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text
+    message = body.get("message") if isinstance(body, dict) else None
+    return message if isinstance(message, str) and message else r.text
