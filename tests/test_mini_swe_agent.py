@@ -11,18 +11,16 @@ work directory and submits (``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``) at i
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
 import uuid
 from pathlib import Path
 
+import agent_venv
 import pytest
 
-from leyline_agent.cache import cache_root
 from leyline_agent.evals.debug_gym.grammar import CALL_CLOSE, CALL_OPEN
-from leyline_agent.evals.debug_gym.venv import find_python312
 
 VERSION = "2.4.6"
 POLICY = "stale_tool_outputs:keep_last=2"
@@ -58,21 +56,8 @@ print(json.dumps({"result": result, "n_calls": agent.n_calls, "messages": [
 
 
 def ensure_venv() -> Path:
-    """mini-swe-agent's venv (created once: a few minutes of installs); returns its python."""
-    root = cache_root() / f"mini-swe-agent-{VERSION}" / "venv"
-    python, stamp = root / "bin" / "python", root / ".leyline-installed"
-    if stamp.is_file() and python.is_file():
-        return python
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with (root.parent / ".venv.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (stamp.is_file() and python.is_file()):
-            if not python.is_file():
-                subprocess.run([find_python312(), "-m", "venv", str(root)], check=True)
-            pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            subprocess.run([*pip, f"mini-swe-agent=={VERSION}"], check=True)
-            stamp.write_text(VERSION + "\n")
-    return python
+    """The framework's own venv (``agent_venv.ensure_venv``); returns its python."""
+    return agent_venv.ensure_venv("mini-swe-agent", VERSION, f"mini-swe-agent=={VERSION}")
 
 
 def bash_grammar(command: str) -> str:

@@ -10,18 +10,16 @@ per model turn; the agent's ``tool_use_behavior`` ends the run after the ``STEPS
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
 import uuid
 from pathlib import Path
 
+import agent_venv
 import pytest
 
-from leyline_agent.cache import cache_root
 from leyline_agent.evals.debug_gym.grammar import CALL_CLOSE, CALL_OPEN
-from leyline_agent.evals.debug_gym.venv import find_python312
 
 VERSION = "0.24.0"
 POLICY = "stale_tool_outputs:keep_last=2"
@@ -65,21 +63,8 @@ print(json.dumps({"final": result.final_output, "calls": calls,
 
 
 def ensure_venv() -> Path:
-    """The Agents SDK's venv (created once: about a minute of installs); returns its python."""
-    root = cache_root() / f"openai-agents-{VERSION}" / "venv"
-    python, stamp = root / "bin" / "python", root / ".leyline-installed"
-    if stamp.is_file() and python.is_file():
-        return python
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with (root.parent / ".venv.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (stamp.is_file() and python.is_file()):
-            if not python.is_file():
-                subprocess.run([find_python312(), "-m", "venv", str(root)], check=True)
-            pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            subprocess.run([*pip, f"openai-agents=={VERSION}"], check=True)
-            stamp.write_text(VERSION + "\n")
-    return python
+    """The framework's own venv (``agent_venv.ensure_venv``); returns its python."""
+    return agent_venv.ensure_venv("openai-agents", VERSION, f"openai-agents=={VERSION}")
 
 
 def read_file_grammar(path: str) -> str:

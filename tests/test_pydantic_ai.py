@@ -9,17 +9,14 @@ before sending request ``STEPS + 1``).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import subprocess
 import uuid
 from pathlib import Path
 
+import agent_venv
 import pytest
 from test_openai_agents import read_file_grammar
-
-from leyline_agent.cache import cache_root
-from leyline_agent.evals.debug_gym.venv import find_python312
 
 VERSION = "2.68.0"
 POLICY = "stale_tool_outputs:keep_last=2"
@@ -61,21 +58,10 @@ print(json.dumps({"status": status, "calls": calls}))
 
 
 def ensure_venv() -> Path:
-    """pydantic-ai's venv (created once: about a minute of installs); returns its python."""
-    root = cache_root() / f"pydantic-ai-slim-{VERSION}" / "venv"
-    python, stamp = root / "bin" / "python", root / ".leyline-installed"
-    if stamp.is_file() and python.is_file():
-        return python
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with (root.parent / ".venv.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (stamp.is_file() and python.is_file()):
-            if not python.is_file():
-                subprocess.run([find_python312(), "-m", "venv", str(root)], check=True)
-            pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            subprocess.run([*pip, f"pydantic-ai-slim[openai]=={VERSION}"], check=True)
-            stamp.write_text(VERSION + "\n")
-    return python
+    """The framework's own venv (``agent_venv.ensure_venv``); returns its python."""
+    return agent_venv.ensure_venv(
+        "pydantic-ai-slim", VERSION, f"pydantic-ai-slim[openai]=={VERSION}"
+    )
 
 
 @pytest.mark.sglang
