@@ -6,11 +6,17 @@ render mismatch on that turn or the next.
 
 A tiny Qwen3-shaped model (dummy weights, the embedded tokenizer) with ``tests/templates/*.jinja``
 as its chat template; the conversation is teacher-forced (``max_tokens=1``).
+
+Each family needs a server of its own (the server renders the template), about 1.5 minutes each
+on 2 cores: CI runs the issue's given case (``qwen3``); every family's plan is checked without a
+server in ``test_reasoning_templates.py``, and ``experiments/agent/reasoning_live.sh`` runs this
+module over all of them (``LEYLINE_REASONING_FAMILIES=glm45,kimi_k2_thinking,qwen3``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,20 @@ from leyline_agent.wrapper import ConversationWrapper
 pytestmark = [pytest.mark.sglang, pytest.mark.live]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+def live_families() -> list[str]:
+    """The families to serve: ``$LEYLINE_REASONING_FAMILIES`` (comma-separated), else ``qwen3``.
+
+    Raises:
+        ValueError: a name that is not one of ``reasoning.FAMILIES``.
+    """
+    names = [f for f in os.environ.get("LEYLINE_REASONING_FAMILIES", "qwen3").split(",") if f]
+    unknown = sorted(set(names) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"LEYLINE_REASONING_FAMILIES: unknown {unknown}; known: {FAMILIES}")
+    return names
+
+
+@pytest.fixture(scope="module", params=live_families())
 def thinking_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Path]]:
