@@ -219,7 +219,10 @@ class LeylineClient:
         if not isinstance(data, dict):
             raise rejected(r.status_code, r.text[:500])
         if r.status_code != 200:
-            raise rejected(r.status_code, str(data.get("error", data)))
+            error = data.get("error", data)
+            if isinstance(error, dict) and "message" in error:  # SGLang's error format
+                error = error["message"]
+            raise rejected(r.status_code, str(error))
         return data, http_ms
 
     def generate(

@@ -104,7 +104,9 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "Scheduler": (
         "_request_dispatcher", "init_request_dispatcher", "tree_cache", "token_to_kv_pool_allocator",
         "req_to_token_pool", "model_config", "tp_worker", "run_batch", "running_batch",
-        "waiting_queue", "spec_algorithm", "get_next_batch_to_run",
+        "waiting_queue", "spec_algorithm", "get_next_batch_to_run", "max_req_input_len",
+        "chunked_req", "last_batch", "enable_overlap", "grammar_manager", "is_fully_idle",
+        "enable_hierarchical_cache",
     ),
     "tokenizer_control_mixin": ("_COMMUNICATOR_SPECS",),
     "http_server": ("app", "get_global_state"),

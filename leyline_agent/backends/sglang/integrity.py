@@ -1,7 +1,9 @@
 """Read-only views of one scheduler's tree and KV pool: ``/leyline/stats`` and the debug rows.
 
 ``stats`` is what every integrity test and the fuzz/soak scripts check after each operation. When
-the server is idle (no running or waiting request) it requires:
+the server is idle (none of the busy states SGLang itself knows: ``busy.py``; they are listed
+under ``busy``, and while there is one ``ok`` is None unless the structure is broken) it
+requires:
 
 - ``free + cached == total`` (nothing held by a request row, nothing leaked);
 - no slot owned twice: not by two tree nodes, not by the tree and the free list;
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from leyline_agent.backends.sglang.busy import busy_states
 from leyline_agent.backends.sglang.kv_layout import KVLayout
 from leyline_agent.backends.sglang.radix import LeylineRadixCache
 
@@ -39,11 +42,13 @@ def free_slots(allocator: Any) -> torch.Tensor:
 
 
 def stats(scheduler: Scheduler) -> dict[str, Any]:
-    """Allocator/tree counters and the integrity verdict ``ok`` (None while requests run)."""
+    """Allocator/tree counters and the integrity verdict ``ok`` (None while busy: ``busy`` names
+    the states, ``busy.busy_states``)."""
     tree = scheduler.tree_cache
     if not isinstance(tree, LeylineRadixCache):
         return {"error": f"radix cache is {type(tree).__name__}, not leyline"}
-    idle = scheduler.running_batch.is_empty() and len(scheduler.waiting_queue) == 0
+    busy = busy_states(scheduler)
+    idle = not busy
     alloc = tree.token_to_kv_pool_allocator
     tree_slots = tree.all_slots().cpu()
     free = free_slots(alloc).cpu()
@@ -63,6 +68,7 @@ def stats(scheduler: Scheduler) -> dict[str, Any]:
         "duplicate_slots": dup_tree,
         "tree_and_free_list": dup_free,
         "idle": idle,
+        "busy": busy,
         "sglang_idle_check": int(alloc.available_size()) + evictable + protected == total,
         **tree.pins.stats(),
     }

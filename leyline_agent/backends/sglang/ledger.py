@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 FAULT_POINTS = (
     "lock",  # after the lock, before any allocation
     "alloc",  # before each slot allocation for a middle/tail copy
+    "prefill.alloc",  # right after each replacement prefill's slot allocation (before SGLang's
+    # batch holds them: a failure there must not leak them)
     "prefill.prepare",  # after each replacement prefill's prepare_for_extend (slots allocated)
     "prefill.forward",  # before each replacement prefill's forward pass
     "rotate",  # before each copy-rotation

@@ -5,7 +5,11 @@ A synthetic ``Req`` goes through ``ScheduleBatch.prepare_for_extend`` (allocates
 and the new tokens' slots; may evict unlocked tree nodes) and ``Scheduler.run_batch`` (the forward
 pass writes the new tokens' KV). The prefix is staged on the tree for the request's ``rid``
 (``LeylineRadixCache.stage_prefix``; its ``prefix_device_indices`` hands it to SGLang) and unstaged
-whatever happens. On any failure, the request row and the new slots are freed before re-raising.
+whatever happens. On any failure, the request row and the new slots are freed before re-raising:
+every slot the allocator hands out during ``prepare_for_extend`` is recorded as it is handed out
+(``tracked_allocs``), so a failure between the allocation and SGLang's ``batch.out_cache_loc``
+(e.g. ``write_cache_indices`` past the request row, a sequence longer than the context) frees them
+too instead of leaking them (which SGLang's idle check answers by killing the server).
 
 Only the KV is wanted, not a next token: the request is prefill-only (``max_new_tokens`` 0, so
 SGLang samples nothing) and, for the duration of the forward, the model's LM head is skipped
@@ -74,16 +78,19 @@ def prefill_tokens(
         s.spec_algorithm,
     )
     tree.stage_prefix(req.rid, prefix)
+    allocator = s.token_to_kv_pool_allocator
+    got: list[torch.Tensor] = []
     try:
-        batch.prepare_for_extend()
+        with tracked_allocs(allocator, got, fault):
+            batch.prepare_for_extend()
         fault("prefill.prepare")
         fault("prefill.forward")
         with no_logits(s):
             s.run_batch(batch)
     except BaseException:
-        loc = getattr(batch, "out_cache_loc", None)
-        if loc is not None and loc.numel():
-            s.token_to_kv_pool_allocator.free(loc)
+        for loc in got:  # batch.out_cache_loc among them, when SGLang got that far
+            if loc.numel():
+                allocator.free(loc)
         if req.kv.holds_kv:
             s.req_to_token_pool.free(req)
             req.kv.mark_kv_released()
@@ -95,6 +102,35 @@ def prefill_tokens(
     s.req_to_token_pool.free(req)
     req.kv.mark_kv_released()
     return slots
+
+
+@contextmanager
+def tracked_allocs(
+    allocator: Any, got: list[torch.Tensor], fault: Callable[[str], None]
+) -> Iterator[None]:
+    """While inside, every tensor of slots ``allocator.alloc``/``alloc_extend`` hands out is
+    appended to ``got`` (then ``fault("prefill.alloc")``: the test hook for a failure right after
+    an allocation). Instance attributes, removed on exit (the scheduler is one thread)."""
+    patched = []
+    for name in ("alloc", "alloc_extend"):
+        fn = getattr(allocator, name, None)
+        if fn is None or name in vars(allocator):
+            continue
+
+        def recording(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+            out = _fn(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                got.append(out)
+                fault("prefill.alloc")
+            return out
+
+        setattr(allocator, name, recording)
+        patched.append(name)
+    try:
+        yield
+    finally:
+        for name in patched:
+            delattr(allocator, name)
 
 
 @contextmanager

@@ -136,3 +136,24 @@ def check_capacity(tree: LeylineRadixCache, needed: int) -> None:
             f"KV pool too small for this splice: needs {needed} slots, {room} free or "
             "evictable (the rest is in use or locked); retry later or send the full request",
         )
+
+
+def check_context_length(scheduler: Scheduler, old_len: int, new_len: int) -> None:
+    """400 (in SGLang's error format) when a splice would grow a sequence to ``new_len`` tokens
+    that no request could then send: SGLang's scheduler refuses an input of
+    ``max_req_input_len`` tokens or more (``--context-length`` - 6 by default: ``tp_worker.py``),
+    so the next request on it would get 400 (and a FORGET past it would fail its prefill).
+    Before any lock or allocation; a splice that does not grow the sequence (or a fork, which
+    copies it) is never refused here."""
+    limit = int(getattr(scheduler, "max_req_input_len", 0) or 0)
+    if limit <= 0 or new_len <= old_len or new_len < limit:
+        return
+    context = int(scheduler.model_config.context_len)
+    raise SpliceError(
+        400,
+        f"The spliced sequence ({new_len} tokens, from {old_len}) would be longer than the "
+        f"server's maximum input length ({limit - 1} tokens; the model's context length is "
+        f"{context} tokens): no request could send it. Remove more tokens, replace fewer, or "
+        "send the request in full.",
+        error_type="invalid_request_error",
+    )

@@ -30,7 +30,8 @@ Ownership and eviction (the pool is full in production, so every allocation belo
 unlocked tree node):
 
 1. Preflight, before any lock or allocation: request, tree type, page size, pool type, RoPE spec,
-   namespace match (409), capacity (503). A refusal changes nothing.
+   the new length against the server's context length (400), namespace match (409), capacity
+   (503). A refusal changes nothing.
 2. Lock the deepest node the splice will read, copy, detach or purge: the end of the extension
    when there is one, else the end of ``tokens``. ``inc_lock_ref`` protects the whole root path,
    so no allocation of this splice can evict what it works on.
@@ -73,6 +74,7 @@ from leyline_agent.backends.sglang.preflight import (
     Served,
     check_cached,
     check_capacity,
+    check_context_length,
     check_forget_span,
 )
 from leyline_agent.directive import DirectiveError, sort_and_check
@@ -122,7 +124,7 @@ class SpliceExecutor:
             self.served.tree.pins.expire()
             resp = run(req)
         except SpliceError as e:
-            return e.status, json.dumps({"error": str(e)})
+            return e.status, json.dumps(e.body())
         except DirectiveError as e:
             return 400, json.dumps({"error": str(e)})
         except Exception as e:  # never take the scheduler down; the ledger was released
@@ -181,6 +183,8 @@ class SpliceExecutor:
         timer = Timer()
         tree = self.served.check(req)
         ordered = sort_and_check(req.directives, len(req.tokens)) if req.directives else []
+        grown = sum(len(d.replacement) - (d.end - d.start) for d in ordered)
+        check_context_length(self.scheduler, len(req.tokens), len(req.tokens) + grown)
         fault = FaultInjector(req.debug_fault if debug_enabled() else None)
         if req.debug_fail_after_prefill and debug_enabled():
             fault = FaultInjector("commit")
