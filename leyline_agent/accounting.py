@@ -12,7 +12,16 @@ One name, one meaning, for every report (proxy sessions and ``/metrics``, ``leyl
                                part plus what the splice prefilled (``splice_prefilled_tokens``)
 ``reused_tokens``              ``prompt − prefilled``: prompt tokens whose KV was reused
 ``best_reused_tokens``         an upper bound of ``reused_tokens`` under the session's arm
-                               (``best_reused``)
+                               (``best_reused``): in the session's own namespace the prefix it
+                               left there; in a shared namespace (the proxy's, before a
+                               session's first splice) the whole prompt, since any session may
+                               have cached it: a loose bound there, not cache lost
+``reprefill_tokens``           tokens a re-prefill of the same prompt would have prefilled: on a
+                               spliced turn, ``prompt`` minus the longest prefix of the new
+                               prompt that the backend held unchanged before the splice (the
+                               session's previous prompt); on any other turn ``prefilled`` (no
+                               splice ran: the turn was that re-prefill)
+``saved_tokens``               ``reprefill − prefilled``: what the splice saved (0 unspliced)
 ``rotated_tokens``             cached tokens a splice moved to new positions (re-rotated)
 ``policy_edits``               edits the policy returned for the turn (``policy_edited_turns``:
                                turns with at least one)
@@ -44,14 +53,18 @@ if TYPE_CHECKING:
 
 class SpliceOutcome(NamedTuple):
     """What a turn's splice did: the backend's answer (None: no splice ran), why it could not
-    run (``error``, ``reason``: ``client.miss_reason``), its time in ms, and the turn's
-    ``best_reused`` bound."""
+    run (``error``, ``reason``: ``client.miss_reason``), its time in ms, the turn's
+    ``best_reused`` bound, and ``held_prefix``: the longest prefix of the new prompt the backend
+    held unchanged before the splice (what a re-prefill would have reused; 0: unknown, the
+    splice's ``prefix_reused`` stands for it)."""
 
     response: SpliceResponse | None = None
     error: str | None = None
     reason: str | None = None
     ms: float = 0.0
     best_reused: int = 0
+    held_prefix: int = 0  # prompt tokens the backend held unchanged before the splice
+    shared: bool = False  # the request ran in a shared namespace (best_reused: the whole prompt)
 
 
 class TurnRecord(BaseModel):
@@ -64,12 +77,15 @@ class TurnRecord(BaseModel):
     reused_tokens: int
     best_reused_tokens: int
     splice_prefilled_tokens: int = 0
+    reprefill_tokens: int = 0
+    saved_tokens: int = 0
     rotated_tokens: int = 0
     policy_edits: int = 0
     directives_amortize: int = 0
     directives_forget: int = 0
     edited: bool = False
     spliced: bool = False
+    shared: bool = False  # ran in a shared namespace: its best_reused_tokens is its whole prompt
     splice_error: str | None = None
     splice_miss_reason: str | None = None  # client.miss_reason of splice_error
     splice_ms: float = 0.0
@@ -99,6 +115,8 @@ class TurnRecord(BaseModel):
         modes = [d.mode for d in plan.directives]
         splice_prefilled = answer.prefilled if answer else 0
         prefilled = prompt_tokens - cached_tokens + splice_prefilled
+        held = splice.held_prefix or (answer.prefix_reused if answer else 0)  # NOTE: in-band: 0
+        reprefill = prompt_tokens - min(held, prompt_tokens) if answer else prefilled
         return cls(
             turn=turn,
             prompt_tokens=prompt_tokens,
@@ -107,12 +125,15 @@ class TurnRecord(BaseModel):
             reused_tokens=max(0, prompt_tokens - prefilled),
             best_reused_tokens=min(splice.best_reused, prompt_tokens),
             splice_prefilled_tokens=splice_prefilled,
+            reprefill_tokens=reprefill,
+            saved_tokens=reprefill - prefilled,
             rotated_tokens=answer.rotated if answer else 0,
             policy_edits=len(plan.edits),
             directives_amortize=modes.count(Mode.AMORTIZE),
             directives_forget=modes.count(Mode.FORGET),
             edited=bool(plan.directives),
             spliced=answer is not None,
+            shared=splice.shared,
             splice_error=splice.error,
             splice_miss_reason=splice.reason,
             splice_ms=splice.ms,
@@ -125,7 +146,8 @@ class Totals:
     """Sums over turns (see the module docstring).
 
     ``splice_misses``: edited turns whose splice could not run (the request went out anyway),
-    also counted per reason in ``misses_by_reason``; ``edited_prompt_tokens`` and
+    also counted per reason in ``misses_by_reason``; ``shared_turns``: turns run in a shared
+    namespace, whose ``best_reused_tokens`` is their whole prompt; ``edited_prompt_tokens`` and
     ``edited_prefilled_tokens`` cover the edited turns only.
     """
 
@@ -134,12 +156,15 @@ class Totals:
     policy_edited_turns: int = 0
     spliced_turns: int = 0
     splice_misses: int = 0
+    shared_turns: int = 0
     prompt_tokens: int = 0
     server_cached_tokens: int = 0
     prefilled_tokens: int = 0
     reused_tokens: int = 0
     best_reused_tokens: int = 0
     splice_prefilled_tokens: int = 0
+    reprefill_tokens: int = 0
+    saved_tokens: int = 0
     rotated_tokens: int = 0
     edited_prompt_tokens: int = 0
     edited_prefilled_tokens: int = 0
@@ -154,12 +179,15 @@ class Totals:
         self.edited_turns += r.edited
         self.policy_edited_turns += r.policy_edits > 0
         self.spliced_turns += r.spliced
+        self.shared_turns += r.shared
         self.prompt_tokens += r.prompt_tokens
         self.server_cached_tokens += r.server_cached_tokens
         self.prefilled_tokens += r.prefilled_tokens
         self.reused_tokens += r.reused_tokens
         self.best_reused_tokens += r.best_reused_tokens
         self.splice_prefilled_tokens += r.splice_prefilled_tokens
+        self.reprefill_tokens += r.reprefill_tokens
+        self.saved_tokens += r.saved_tokens
         self.rotated_tokens += r.rotated_tokens
         if r.edited:
             self.edited_prompt_tokens += r.prompt_tokens

@@ -95,6 +95,10 @@ def test_best_is_the_whole_prompt_while_the_namespace_is_shared() -> None:
     record, _ = generate_turn(b, [SYSTEM, MORE])
     assert record.reused_tokens > 0 and record.best_reused_tokens >= record.reused_tokens
     assert record.best_reused_tokens == record.prompt_tokens
+    assert record.shared and Totals.of(b.records).shared_turns == 1  # the loose bound, counted
+    own = _core(backend)
+    own_record, _ = generate_turn(own, [SYSTEM, MORE])
+    assert not own_record.shared and own_record.best_reused_tokens == 0
 
 
 def test_best_counts_the_reply_the_backend_cached() -> None:

@@ -59,6 +59,7 @@ from leyline_agent.proxy.openai_responses import add_routes as add_response_rout
 from leyline_agent.proxy.response_store import ResponseStore
 from leyline_agent.proxy.responses import error_response, passthrough, unreachable
 from leyline_agent.proxy.retention import Retention
+from leyline_agent.proxy.session_record import FIELD_NOTES
 from leyline_agent.proxy.sessions import ProxySession, SessionRegistry
 from leyline_agent.session import SessionCore
 from leyline_agent.traces.recorder import TraceRecorder
@@ -153,6 +154,7 @@ class LeylineProxy:
             "tenant": tenant,
             "sessions": [s.summary() for s in self.registry.sessions(tenant)],
             "totals": self.registry.totals(tenant).as_dict(),
+            "notes": FIELD_NOTES,
         }
 
     def find_session(self, request: Request, session_id: str) -> ProxySession | Response:

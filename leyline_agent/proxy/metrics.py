@@ -49,7 +49,16 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("splice_prefilled_tokens", "splice_prefilled_tokens_total", "Tokens prefilled by splices."),
     ("rotated_tokens", "rotated_tokens_total", "Cached tokens re-rotated by splices."),
     ("best_reused_tokens", "best_reused_tokens_total", "Upper bound of the reused tokens under "
-     "the session's arm."),
+     "the session's arm: in a session's own namespace the prefix it left there; on a turn in the "
+     "shared namespace (shared_turns) the whole prompt, since any session may have cached it (a "
+     "loose bound there, not cache lost)."),
+    ("shared_turns", "shared_turns_total", "Turns run in the shared namespace (before their "
+     "session's first splice)."),
+    ("reprefill_tokens", "reprefill_tokens_total", "Tokens a re-prefill would have prefilled: on "
+     "a spliced turn, the prompt minus the longest prefix of it that the backend held unchanged "
+     "before the splice (the session's previous prompt); on other turns the tokens prefilled."),
+    ("saved_tokens", "saved_tokens_total", "Tokens the splices saved: reprefill_tokens minus "
+     "prefilled_tokens."),
 )  # fmt: skip
 _SUMMARIES: tuple[tuple[str, str, str], ...] = (
     ("splice_ms", "splice_seconds", "Time spent in /leyline/splice calls."),
@@ -171,6 +180,12 @@ def render(
             f"{help_} Per live session.",
             [(f'{{session="{_label(sid)}"}}', getattr(c, attr)) for sid, c in live],
         )
+    out += _family(
+        "leyline_proxy_session_splice_seconds_total",
+        "counter",
+        "Time spent in /leyline/splice calls. Per live session.",
+        [(f'{{session="{_label(sid)}"}}', c.splice_ms / 1e3) for sid, c in live],
+    )
     out += _family(
         "leyline_proxy_session_directives_total",
         "counter",

@@ -16,6 +16,16 @@ from leyline_agent.session import SessionCore
 
 Source = Literal["header", "cache_key", "user", "prefix", "new"]
 
+# What the less obvious counters mean, shown beside them (``GET /leyline/sessions``, ``notes``).
+FIELD_NOTES = {
+    "saved_tokens": "reprefill_tokens - prefilled_tokens: what the splices saved; "
+    "reprefill_tokens: on a spliced turn the prompt minus the longest prefix of it the backend "
+    "held unchanged before the splice, on other turns the tokens prefilled",
+    "best_hit_rate": "best_reused_tokens / prompt_tokens, an upper bound: a turn in the shared "
+    "namespace (shared_turns: before the session's first splice) counts its whole prompt, since "
+    "any session may have cached it; a gap there is a loose bound, not cache lost",
+}
+
 
 class PinError(NamedTuple):
     """The session's last pin attempt, refused: the turn it followed, the backend's status
@@ -97,6 +107,8 @@ class ProxySession:
             "splice": self.core.splice_enabled,
             "created": self.created,
             "in_flight": self.lock.locked(),
+            # the version the session's last splice made (wire.state_id), None before one
+            "state_id": self.core.states[-1]["state_id"] if self.core.states else None,
             **Totals.of(self.core.records).as_dict(),
         }
 
@@ -116,5 +128,11 @@ class ProxySession:
                  "expires_at": p.expires_at} for p in self.core.pins.live()]  # fmt: skip
 
     def detail(self) -> dict[str, Any]:
-        """The summary plus every turn's record (``GET /leyline/sessions/{id}``)."""
-        return {**self.summary(), "records": [r.model_dump() for r in self.core.records]}
+        """The summary plus every turn's record (``GET /leyline/sessions/{id}``) and the state
+        chain of its splices (``states``: turn, parent_state_id, state_id, replayed; the last
+        64)."""
+        return {
+            **self.summary(),
+            "records": [r.model_dump() for r in self.core.records],
+            "states": list(self.core.states),
+        }
