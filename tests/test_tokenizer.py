@@ -136,3 +136,31 @@ def test_builds_once_into_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         "tokenizer_config.json",
     ]
     assert [p.name for p in (tmp_path / "embedded").iterdir()] == [first.name]  # no temp left
+
+
+def test_transformers_loads_it_without_the_mistral_regex_warning(
+    tok_dir: Path, oracle: tiktoken.Encoding, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """SGLang loads the tokenizer with ``AutoTokenizer``; transformers 5 warned "incorrect regex
+    pattern ... incorrect tokenization" for a config.json without ``transformers_version`` (its
+    check for old Mistral tokenizers). Ours is o200k's: no warning, and the ids it gives are
+    tiktoken's."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    finally:
+        logger.removeHandler(handler)
+    said = capfd.readouterr().err + "".join(r.getMessage() for r in records)
+    assert "incorrect regex" not in said and "fix_mistral_regex" not in said
+    assert json.loads((tok_dir / "config.json").read_text())["transformers_version"]
+    for text in SAMPLES:
+        assert tok.encode(text, add_special_tokens=False) == oracle.encode(
+            text, allowed_special="all"
+        ), text[:60]

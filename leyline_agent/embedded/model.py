@@ -125,6 +125,13 @@ class TinyMLAConfig:
         if self.pad_token_id is not None:
             cfg["pad_token_id"] = self.pad_token_id
         cfg["torch_dtype"] = self.torch_dtype
+        # NOTE: transformers 5 (tokenization_utils_tokenizers._patch_mistral_regex) takes a local
+        # model whose config.json lacks ``transformers_version`` for a pre-5 Mistral one and warns
+        # of "an incorrect regex pattern ... incorrect tokenization". A false positive here: our
+        # pre-tokenizer is o200k's own (tests/test_tokenizer.py: ids equal tiktoken's). Saying
+        # which transformers the config is written for (the spelling of its RoPE keys) silences
+        # exactly that check, as a config that transformers saves itself would.
+        cfg["transformers_version"] = "4.57.0" if self.rope_key == "rope_scaling" else "5.0.0"
         return cfg
 
 
