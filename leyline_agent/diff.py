@@ -73,7 +73,11 @@ _KEY_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
 
 
 def message_key(message: Mapping[str, Any]) -> Hashable:
-    """What message alignment compares: ``json.dumps(message, sort_keys=True, default=str)``."""
+    """What message alignment compares: a message whose values are all strings as its sorted
+    ``(key, value)`` pairs (no copy of a long content), any other as ``json.dumps(message,
+    sort_keys=True, default=str)``. A key of one kind never equals one of the other."""
+    if all(type(v) is str for v in message.values()):
+        return tuple(sorted(message.items()))
     return _KEY_ENCODER.encode(message)
 
 

@@ -9,9 +9,9 @@ set of directives on the old tokens plus a tail of new tokens, with
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.chat.render import Renderer
@@ -76,6 +76,27 @@ class TurnPlan:
         return self.base_len - sum(d.removed for d in self.directives)
 
 
+class _TokenCounts(Sequence[int]):
+    """Per message, the tokens of its span, from a render made when a policy first reads one (a
+    policy that does not, such as ``stale_tool_outputs``, costs no render of the incoming list)."""
+
+    def __init__(self, n: int, render: Callable[[], Rendered]) -> None:
+        self._n, self._render = n, render
+        self._counts: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if self._counts is None:
+            self._counts = [e - s for s, e in self._render().spans]
+        return self._counts[i]
+
+
 class ConversationWrapper:
     """Turn each turn's full message list into directives against the server's prompt.
 
@@ -118,18 +139,18 @@ class ConversationWrapper:
     ) -> Conversation:
         """The policy's view of an incoming message list."""
         incoming = [sent_message(m) for m in messages]
-        return self._conversation(messages, incoming, self._render(incoming, tools))
+        return self._conversation(messages, incoming, lambda: self._render(incoming, tools))
 
     def _conversation(
         self,
         messages: Sequence[Mapping[str, Any]],
         incoming: Sequence[Message],
-        rendered: Rendered,
+        rendered: Callable[[], Rendered],
     ) -> Conversation:
         last = self._last
         return Conversation(
             messages=list(messages),
-            token_counts=[e - s for s, e in rendered.spans],
+            token_counts=_TokenCounts(len(incoming), rendered),
             turn=self._turn,
             count_tokens=self.renderer.count,
             previous=carry_edits(last.incoming, last.edits, incoming) if last else (),
@@ -167,9 +188,15 @@ class ConversationWrapper:
             return self._render(m, t)
 
         incoming = [sent_message(m) for m in messages]
-        rendered = render(incoming, tools)
+        renders: list[Rendered] = []  # the incoming list's, once rendered
+
+        def render_incoming() -> Rendered:
+            if not renders:
+                renders.append(render(incoming, tools))
+            return renders[0]
+
         policy = self.policy if extra_policy is None else Chain((self.policy, extra_policy))
-        edits = list(policy(self._conversation(messages, incoming, rendered)))
+        edits = list(policy(self._conversation(messages, incoming, render_incoming)))
         # NOTE: no edits, no copies: every sent message is the incoming one.
         n = len(incoming)
         edited = apply_edits(messages, edits) if edits else EditResult(incoming, [*range(n)], {})
@@ -177,8 +204,9 @@ class ConversationWrapper:
             sent_message(m) if i in edited.modes else incoming[i]
             for m, i in zip(edited.messages, edited.sources, strict=True)
         ]
-        if sent != incoming:
-            rendered = render(sent, tools)
+        # NOTE: the incoming list is rendered only when a policy read its token counts or when
+        # it is what is sent.
+        rendered = render(sent, tools) if sent != incoming else render_incoming()
         last = self._last
         # NOTE: keys of messages equal to the last plan's at the same index are its keys (the
         # same test the incremental renderer reuses text by); only the others are serialised

@@ -1,8 +1,8 @@
 """The proxy's own cost per turn: ``ConversationWrapper.plan`` with full vs incremental rendering.
 
-Per turn, the time to plan it (policy, render of the incoming and the edited list, diff,
-verification) against the history length, with ``stale_tool_outputs:keep_last=2`` (``--policy``;
-several: comma-separated), on
+Per turn, the time to plan it (policy, render, diff, verification) against the history length,
+with ``none`` and ``stale_tool_outputs:keep_last=2`` (``--policy``; several: separated by ``;``),
+on
 
 - the longest shared trace (``<shared>/traces``: most tokens in its last turn), every turn;
 - per ``--sizes`` (default 8000, 32000, 52000 tokens), two synthetic tool-calling conversations
@@ -13,13 +13,17 @@ several: comma-separated), on
   its end every turn (the report's ``Date:`` line).
 
     .venv/bin/python experiments/agent/bench_planning.py [--sizes 8000,32000,52000] [--repeats 5]
+        [--no-trace] [--policy "none;stale_tool_outputs:keep_last=2"]
 
 Columns: the incoming conversation's tokens (``conv tok``), the previous prompt the server holds
 (``history``, after the policy's stubs) and this turn's prompt. Times are the best of
 ``--repeats`` plans of the same turn from the same state (the machine is shared: slower runs
-measure the neighbours), in wall-clock milliseconds (what a request waits; the process's CPU time
-would also count the tokenizer's worker threads, which spin while it encodes). Every sampled plan of both modes is
-checked to give the same tokens, spans and directives. The last stdout line is JSON.
+measure the neighbours), in milliseconds: wall clock (what a request waits) and the planning
+thread's CPU time (``time.thread_time``: steadier on a loaded machine, where the wall clock also
+counts waiting for a core; the process's CPU time would also count the tokenizer's worker
+threads, which spin while it encodes). The summary gives medians over the last five turns.
+Every sampled plan of both modes is checked to give the same tokens, spans and directives. The
+last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from leyline_agent.traces import Trace, load
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 
 ROOT = Path(__file__).resolve().parents[2]
-POLICY = "stale_tool_outputs:keep_last=2"
+POLICY = "none;stale_tool_outputs:keep_last=2"
 TOOLS = [
     {
         "type": "function",
@@ -142,13 +146,15 @@ def head_turns(renderer: Renderer, target: int, seed: int = 0) -> list[list[dict
 
 
 def best_of(fn: Callable[[], TurnPlan], before: Callable[[], None], repeats: int) -> tuple:
-    times, plan = [], None
+    """The best wall-clock and thread-CPU milliseconds of ``repeats`` calls, and the last plan."""
+    times, cpu, plan = [], [], None
     for _ in range(repeats):
         before()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         plan = fn()
+        cpu.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
-    return min(times) * 1000, plan
+    return min(times) * 1000, min(cpu) * 1000, plan
 
 
 def same(a: TurnPlan, b: TurnPlan) -> bool:
@@ -188,8 +194,8 @@ def time_turns(
                 inc.incremental._pieces = dict(saved[1])
                 inc.incremental._piece_chars = chars
 
-            inc_ms, plan = best_of(partial(inc.plan, messages, tools), restore, repeats)
-            full_ms, full_plan = best_of(
+            inc_ms, inc_cpu, plan = best_of(partial(inc.plan, messages, tools), restore, repeats)
+            full_ms, _, full_plan = best_of(
                 partial(full.plan, messages, tools), lambda: None, max(1, repeats // 3)
             )
             if not same(plan, full_plan):
@@ -205,6 +211,7 @@ def time_turns(
                     "tokens": len(plan.tokens),
                     "full_ms": round(full_ms, 2),
                     "incremental_ms": round(inc_ms, 2),
+                    "incremental_cpu_ms": round(inc_cpu, 2),
                     "speedup": round(full_ms / max(inc_ms, 1e-3), 1),
                 }
             )
@@ -217,13 +224,13 @@ def table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print(
         f"{'turn':>5} {'messages':>8} {'conv tok':>8} {'history':>8} {'prompt':>7} "
-        f"{'full ms':>9} {'incr ms':>8} {'speedup':>8}"
+        f"{'full ms':>9} {'incr ms':>8} {'incr cpu':>8} {'speedup':>8}"
     )
     for r in rows:
         print(
             f"{r['turn']:>5} {r['messages']:>8} {r['conversation_tokens']:>8} "
             f"{r['history_tokens']:>8} {r['tokens']:>7} {r['full_ms']:>9.1f} "
-            f"{r['incremental_ms']:>8.2f} {r['speedup']:>7.1f}x"
+            f"{r['incremental_ms']:>8.2f} {r['incremental_cpu_ms']:>8.2f} {r['speedup']:>7.1f}x"
         )
 
 
@@ -240,7 +247,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="8000,32000,52000", help="synthetic history tokens")
     ap.add_argument("--shapes", default="append,head", help="synthetic shapes")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--policy", default=POLICY, help="policy spec(s), comma-separated")
+    ap.add_argument("--policy", default=POLICY, help="policy spec(s), ';'-separated")
     ap.add_argument("--trace", type=Path, default=None, help="a trace file (default: longest)")
     ap.add_argument("--no-trace", action="store_true", help="skip the shared trace")
     args = ap.parse_args()
@@ -287,20 +294,23 @@ def main() -> None:
                         "incremental_ms_median": statistics.median(
                             r["incremental_ms"] for r in last
                         ),
+                        "incremental_cpu_ms_median": statistics.median(
+                            r["incremental_cpu_ms"] for r in last
+                        ),
                         "turns": rows,
                     }
                 )
     print(
         f"\n{'shape':>6} {'size':>6} {'policy':>32} {'conv tok':>8} {'msg0 chars':>10} "
-        f"{'full ms':>8} {'incr ms':>8}"
+        f"{'full ms':>8} {'incr ms':>8} {'incr cpu':>8}"
     )
     for r in summary:
         print(
             f"{r['shape']:>6} {r['size']:>6} {r['policy']:>32} {r['conversation_tokens']:>8} "
             f"{r['first_message_chars']:>10} {r['full_ms_median']:>8.1f} "
-            f"{r['incremental_ms_median']:>8.2f}"
+            f"{r['incremental_ms_median']:>8.2f} {r['incremental_cpu_ms_median']:>8.2f}"
         )
-    print("(medians of the last five turns; best of --repeats per turn)")
+    print("(medians of the last five turns; best of --repeats per turn; cpu: the thread's)")
     out["synthetic"] = summary
     print(json.dumps(out))
 

@@ -3,6 +3,8 @@
 Sandboxed (``ImmutableSandboxedEnvironment``), ``trim_blocks``/``lstrip_blocks``, the
 ``loopcontrols`` extension, ``{% generation %}`` blocks accepted, ``tojson`` without HTML
 escaping (with ``indent``/``separators``/``sort_keys``), ``raise_exception`` and ``strftime_now``.
+The sandbox's answers are the same, reached faster (``_ChatTemplateEnvironment``): a template
+reads message fields (``message.role``) on every message of every prefix the renderer renders.
 """
 
 from __future__ import annotations
@@ -30,6 +32,37 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
+    """``ImmutableSandboxedEnvironment`` with the same results, faster on what templates do most.
+
+    ``x.name`` on a plain ``dict`` that has no attribute ``name`` is ``x["name"]`` (or undefined),
+    as jinja2 finds it after a failed ``getattr``; and whether an attribute is safe depends only
+    on the object's type and the name (``is_internal_attribute``, ``modifies_known_mutable`` test
+    ``isinstance`` and the name), so the answer is remembered per ``(type, name)``."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._safe: dict[tuple[type, str], bool] = {}
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except LookupError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = self._safe.get(key)
+        if safe is None:
+            safe = self._safe[key] = super().is_safe_attribute(obj, attr, value)
+        return safe
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -52,7 +85,7 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template in transformers' jinja2 environment."""
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatTemplateEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Annotated
 
 from pydantic import Field
@@ -33,7 +34,9 @@ def stub_edits(
     return edits
 
 
+@lru_cache(maxsize=1 << 14)
 def _edit(index: int, replacement: str, reason: str) -> Edit:
+    # NOTE: an ``Edit`` is frozen, so the same stub edit re-stated on every turn is one object.
     return Edit.model_construct(
         index=index, span=None, replacement=replacement, mode=Mode.AMORTIZE, reason=reason
     )
