@@ -24,6 +24,9 @@ from typing import Any
 from leyline_agent.messages import content_text, is_text_parts
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function", "latest_reminder", "root")
+# The roles an error names: OpenAI's (SGLang also takes ``latest_reminder`` and ``root``, roles of
+# some models' templates, and the legacy ``function``; they are accepted, not advertised).
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 _FINAL_TEXT_TYPES = ("text", "input_text")  # what makes a final assistant message text
 
 
@@ -32,7 +35,13 @@ def _message_error(k: int, m: Any) -> str | None:
         return f"messages[{k}] must be an object"
     role = m.get("role")
     if not isinstance(role, str) or role.lower() not in ROLES:
-        return f"messages[{k}]: 'role' must be one of {', '.join(map(repr, ROLES))}"
+        return f"messages[{k}]: 'role' must be one of {', '.join(map(repr, OPENAI_ROLES))}"
+    call_id = m.get("tool_call_id")
+    if role.lower() == "tool" and (not isinstance(call_id, str) or not call_id):
+        return (
+            f"messages[{k}]: a tool message needs 'tool_call_id', the id of the assistant's tool "
+            "call it answers"
+        )
     content = m.get("content")
     if role.lower() == "user" and content is None:
         return f"messages[{k}]: a user message needs 'content'"
@@ -109,8 +118,10 @@ def request_error(body: Any) -> str | None:
 
     Checks only what SGLang 0.5.23 refuses for every model: the body shape, each message's role,
     content and tool calls (assistant tool-call ``arguments`` must be a JSON object), ``n``, and
-    text that is not valid Unicode anywhere in the body (``text_error``). Template errors (a
-    role the template does not render) come from rendering.
+    text that is not valid Unicode anywhere in the body (``text_error``); and, as OpenAI's API
+    does (SGLang accepts it), a ``tool`` message without a ``tool_call_id``: which call it
+    answers cannot be told. Template errors (a role the template does not render) come from
+    rendering.
     """
     if not isinstance(body, Mapping):
         return "the request body must be a JSON object"

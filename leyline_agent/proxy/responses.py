@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse
 def error_response(
     status: int, message: str, kind: str, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """An OpenAI-style error body."""
-    body = {"error": {"message": message, "type": kind, "code": status}}
+    """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``, the same
+    ``error`` object as ``backend_error``'s (which adds SGLang's top-level fields)."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
