@@ -103,4 +103,9 @@ def proxy(
         raise typer.BadParameter(str(e), param_hint="--policy") from e
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--model-path") from e
+    typer.echo(
+        f"leyline proxy on http://{host}:{port}/v1: backend {', '.join(backend)}, policy "
+        f"{policy}, " + ("splices" if splice else "no splices (--no-splice: edits re-prefilled)"),
+        err=True,
+    )
     uvicorn.run(api, host=host, port=port, log_level="info")
