@@ -201,7 +201,9 @@ def diff_rendered(
     tail = list(N[r_start + g :])
 
     directives = region_directives(old_tokens, N, regions)
-    if _edited(old_tokens, directives) + tail != N:  # never expected; stay exact
+    edited = _edited(old_tokens, directives)
+    edited += tail
+    if edited != N:  # never expected; stay exact
         cover = diff_tokens(old_tokens, N, default_mode)
         return Diff(cover.directives, cover.tail, True)
     return Diff(directives, tail, fallback)

@@ -21,34 +21,38 @@ class Region(NamedTuple):
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    # NOTE: compared by slices (C speed), doubling then halving: O(n) copying in all.
     n = min(len(a), len(b))
     if type(a) is not type(b):
         a, b = list(a[:n]), list(b[:n])
+    return _prefix(a, 0, b, 0, n)
+
+
+def _prefix(a: Sequence[int], i: int, b: Sequence[int], j: int, n: int) -> int:
+    """Common prefix of ``a[i:i + n]`` and ``b[j:j + n]`` (at most ``n``), compared by chunks."""
+    # NOTE: compared by slices (C speed), doubling then halving: O(n) copying in all, and no
+    # copy of the whole ranges.
     lo, step = 0, 64
     while lo < n:
         hi = min(n, lo + step)
-        if a[lo:hi] != b[lo:hi]:
-            while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        if a[i + lo : i + hi] != b[j + lo : j + hi]:
+            while hi - lo > 1:  # a[i:i+lo] == b[j:j+lo], a[i:i+hi] != b[j:j+hi]
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
+                same = a[i + lo : i + mid] == b[j + lo : j + mid]
+                lo, hi = (mid, hi) if same else (lo, mid)
             return lo
         lo, step = hi, step * 2
     return n
 
 
-def common_suffix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    la, lb = len(a), len(b)
-    n = min(limit, la, lb)
-    if type(a) is not type(b):
-        a, b, la, lb = list(a[la - n :]), list(b[lb - n :]), n, n
-    lo, step = 0, 64  # the last lo agree, as in common_prefix
+def _suffix(a: Sequence[int], ea: int, b: Sequence[int], eb: int, n: int) -> int:
+    """Common suffix of ``a[:ea]`` and ``b[:eb]``, at most ``n``."""
+    lo, step = 0, 64  # the last lo agree, as in _prefix
     while lo < n:
         hi = min(n, lo + step)
-        if a[la - hi : la - lo] != b[lb - hi : lb - lo]:
+        if a[ea - hi : ea - lo] != b[eb - hi : eb - lo]:
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                same = a[la - mid : la - lo] == b[lb - mid : lb - lo]
+                same = a[ea - mid : ea - lo] == b[eb - mid : eb - lo]
                 lo, hi = (mid, hi) if same else (lo, mid)
             return lo
         lo, step = hi, step * 2
@@ -60,15 +64,21 @@ MAX_CELLS = 1 << 20  # old x new tokens of a changed run matched token by token 
 
 
 def token_changes(
-    old: Sequence[int], new: Sequence[int], whole: bool = True
+    old: list[int],
+    new: list[int],
+    whole: bool = True,
+    at: tuple[int, int, int, int] | None = None,
 ) -> list[tuple[int, int, int, int]] | None:
-    """``(old_start, old_end, new_start, new_end)`` of what differs between ``old`` and ``new``:
+    """``(old_start, old_end, new_start, new_end)`` of what differs between ``old`` and ``new``
+    (``at``: between ``old[at[0]:at[1]]`` and ``new[at[2]:at[3]]``, positions in the whole lists):
     the common prefix and suffix trimmed, then, for a run small enough, difflib's opcodes on the
     token ids (autojunk off), changes fewer than ``MIN_KEEP`` equal tokens apart joined. A run
     too big to match: one change (None unless ``whole``)."""
-    k = common_prefix(old, new)
-    k2 = common_suffix(old, new, min(len(old), len(new)) - k)
-    a, b, c, d = k, len(old) - k2, k, len(new) - k2
+    a0, b0, c0, d0 = at if at is not None else (0, len(old), 0, len(new))
+    n = min(b0 - a0, d0 - c0)
+    k = _prefix(old, a0, new, c0, n)
+    k2 = _suffix(old, b0, new, d0, n - k)
+    a, b, c, d = a0 + k, b0 - k2, c0 + k, d0 - k2
     if a == b and c == d:
         return []
     if a == b or c == d:
@@ -103,19 +113,17 @@ def region_directives(old: list[int], new: list[int], regions: list[Region]) -> 
         while j < len(regions) and regions[j].mode is not None:
             j += 1
         run = regions[i:j]
-        a, c = run[0].old_start, run[0].new_start
-        changes = token_changes(old[a : run[-1].old_end], new[c : run[-1].new_end], whole=False)
-        if changes is not None:
-            found = [(s + a, e + a, s2 + c, e2 + c) for s, e, s2, e2 in changes]
-        else:  # too big to match as one run: region by region
-            found = []
-            for r in run:
-                for s, e, s2, e2 in (
-                    token_changes(old[r.old_start : r.old_end], new[r.new_start : r.new_end]) or []
-                ):
-                    found.append(
-                        (s + r.old_start, e + r.old_start, s2 + r.new_start, e2 + r.new_start)
-                    )
+        bounds = (run[0].old_start, run[-1].old_end, run[0].new_start, run[-1].new_end)
+        found = token_changes(old, new, whole=False, at=bounds)
+        if found is None:  # too big to match as one run: region by region
+            found = [
+                f
+                for r in run
+                for f in token_changes(
+                    old, new, at=(r.old_start, r.old_end, r.new_start, r.new_end)
+                )
+                or []
+            ]
         for s, e, s2, e2 in found:
             mode = strongest_mode(
                 [

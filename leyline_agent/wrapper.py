@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.chat.render import Renderer
@@ -21,7 +21,14 @@ from leyline_agent.diff import Diff, diff_rendered, diff_tokens, message_key
 from leyline_agent.directive import Directive, Mode
 from leyline_agent.messages import sent_message
 from leyline_agent.policies.edits import EditResult, apply_edits
-from leyline_agent.policies.protocol import Chain, Conversation, Edit, Policy, carry_edits
+from leyline_agent.policies.protocol import (
+    Chain,
+    Conversation,
+    Edit,
+    LazyTokenCounts,
+    Policy,
+    carry_edits,
+)
 from leyline_agent.policies.registry import parse_policy
 
 Message = dict[str, Any]
@@ -76,27 +83,6 @@ class TurnPlan:
         return self.base_len - sum(d.removed for d in self.directives)
 
 
-class _TokenCounts(Sequence[int]):
-    """Per message, the tokens of its span, from a render made when a policy first reads one (a
-    policy that does not, such as ``stale_tool_outputs``, costs no render of the incoming list)."""
-
-    def __init__(self, n: int, render: Callable[[], Rendered]) -> None:
-        self._n, self._render = n, render
-        self._counts: list[int] | None = None
-
-    def __len__(self) -> int:
-        return self._n
-
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[int]: ...
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
-        if self._counts is None:
-            self._counts = [e - s for s, e in self._render().spans]
-        return self._counts[i]
-
-
 class ConversationWrapper:
     """Turn each turn's full message list into directives against the server's prompt.
 
@@ -126,13 +112,24 @@ class ConversationWrapper:
         self._render = self.incremental.render if self.incremental else self.renderer.render
         self.policy = parse_policy(policy)
         self.default_mode = Mode(default_mode)
-        self.tokens: list[int] = []
+        self._tokens: list[int] = []
         self._last: TurnPlan | None = None
         self._turn = 0
+        self._holds_last = False  # self.tokens starts with the last plan's tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt the server holds (the next plan's directives apply to it)."""
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, tokens: Sequence[int]) -> None:
+        self._tokens = list(tokens)
+        self._holds_last = self._starts_with_last()
 
     def reset(self) -> None:
         """Forget the previous turn (the next plan is a full prefill)."""
-        self.tokens, self._last, self._turn = [], None, 0
+        self._tokens, self._last, self._turn = [], None, 0
 
     def conversation(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
@@ -150,7 +147,7 @@ class ConversationWrapper:
         last = self._last
         return Conversation(
             messages=list(messages),
-            token_counts=_TokenCounts(len(incoming), rendered),
+            token_counts=LazyTokenCounts(len(incoming), lambda: rendered().spans),
             turn=self._turn,
             count_tokens=self.renderer.count,
             previous=carry_edits(last.incoming, last.edits, incoming) if last else (),
@@ -217,7 +214,7 @@ class ConversationWrapper:
             lk[j] if j < len(lm) and (lm[j] is m or lm[j] == m) else message_key(m)
             for j, m in enumerate(sent)
         ]
-        if last is not None and self.tokens[: len(last.tokens)] == last.tokens:
+        if last is not None and self._holds_last:
             kept = set(edited.sources)
             new_modes = [edited.modes.get(i) for i in edited.sources]
             old_modes = [edited.modes.get(i) if i not in kept else None for i in last.sources]
@@ -278,16 +275,26 @@ class ConversationWrapper:
             raise ValueError(
                 f"plan was made against {plan.base_len} tokens, the wrapper holds {held}"
             )
-        self.tokens = list(plan.tokens if tokens is None else tokens)
         self._last = plan
         self._turn += 1
+        if tokens is None:
+            self._tokens, self._holds_last = list(plan.tokens), True
+        else:
+            self.tokens = tokens
 
     def adopt(self, other: ConversationWrapper) -> None:
         """Continue from ``other``'s state (a fork): its held tokens, last plan and turn count;
         the next plan diffs against them."""
-        self.tokens, self._last, self._turn = list(other.tokens), other._last, other._turn
+        self._last, self._turn = other._last, other._turn
+        self._tokens, self._holds_last = list(other.tokens), other._holds_last
 
     def hold(self, tokens: Sequence[int]) -> None:
         """Record that the server now holds ``tokens`` for the last committed plan (a turn
         committed at its splice whose request then prefilled more, or other tokens)."""
-        self.tokens = list(tokens)
+        self.tokens = tokens
+
+    def _starts_with_last(self) -> bool:
+        """``self.tokens`` starts with the last plan's tokens (computed when they are set, so
+        that planning a turn compares nothing of the held prompt)."""
+        last = self._last
+        return last is not None and self.tokens[: len(last.tokens)] == last.tokens

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Literal, Protocol, Self, overload
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -65,6 +65,28 @@ class Edit(BaseModel):
             if not 0 <= self.span[0] <= self.span[1]:
                 raise ValueError(f"span {self.span} must satisfy 0 <= start <= end")
         return self
+
+
+class LazyTokenCounts(Sequence[int]):
+    """``Conversation.token_counts`` from a render made when a policy first reads a count (a
+    policy that reads none, such as ``stale_tool_outputs``, costs no render): ``spans()`` gives
+    every message's ``(start, end)`` token span."""
+
+    def __init__(self, n: int, spans: Callable[[], Sequence[tuple[int, int]]]) -> None:
+        self._n, self._spans = n, spans
+        self._counts: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if self._counts is None:
+            self._counts = [e - s for s, e in self._spans()]
+        return self._counts[i]
 
 
 @dataclass(frozen=True)
