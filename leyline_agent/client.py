@@ -232,11 +232,17 @@ class LeylineClient:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         max_new_tokens: int = 1,
+        top_logprobs: int = 0,
         **sampling: Any,
     ) -> GenerateResult:
-        """SGLang ``/generate`` with token ids, greedy by default. Raises ``httpx.HTTPError``."""
+        """SGLang ``/generate`` with token ids, greedy by default; ``top_logprobs`` > 0: also the
+        top log-probabilities of each output position (``meta["output_top_logprobs"]``: per
+        position ``[logprob, token_id, text]`` rows, highest first). Raises
+        ``httpx.HTTPError``."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
+        if top_logprobs > 0:
+            body.update(return_logprob=True, top_logprobs_num=top_logprobs)
         body.update(Namespace(extra_key, cache_salt).fields())
         t0 = time.perf_counter()
         r = self.http.post("/generate", json=body)
