@@ -131,13 +131,20 @@ class LeylineClient:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         target_extra_key: str | None = None,
+        expected_state: str | None = None,
+        idempotency_key: str | None = None,
+        retries: int = 1,
         **extra: Any,
     ) -> SpliceResponse:
         """Run directives on the cached ``tokens`` in the namespace ``(extra_key, cache_salt)``
         (the one the chat or generate request that cached them used). ``target_extra_key``: build
         the edited sequence in ``(target_extra_key, cache_salt)`` instead (the unchanged prefix
-        copied, the source left as it was). Returns the server's response with ``http_ms`` set.
-        Raises :class:`SpliceRejected`."""
+        copied, the source left as it was). ``expected_state``: the ``wire.state_id`` the edit
+        was planned against (409 when the cache no longer holds it). ``idempotency_key``: with
+        one, a splice whose answer was lost (timeout, dropped connection) is sent again, up to
+        ``retries`` times, with the same key and body: the server answers a retry of an applied
+        edit with the first answer (``replayed``) instead of applying it twice. Returns the
+        server's response with ``http_ms`` set. Raises :class:`SpliceRejected`."""
         body = {
             "tokens": list(tokens),
             "directives": [d.model_dump(mode="json") for d in directives],
@@ -147,7 +154,18 @@ class LeylineClient:
         }
         if target_extra_key is not None:
             body["target_extra_key"] = target_extra_key
-        data, http_ms = self._post("/leyline/splice", body, SpliceRejected)
+        if expected_state is not None:
+            body["expected_state"] = expected_state
+        if idempotency_key is not None:
+            body["idempotency_key"] = idempotency_key
+        resends = retries if idempotency_key is not None else 0
+        for attempt in range(resends + 1):
+            try:
+                data, http_ms = self._post("/leyline/splice", body, SpliceRejected)
+                break
+            except SpliceRejected as e:  # status 0: no answer (it may have been applied)
+                if e.status != 0 or attempt >= resends:
+                    raise
         return SpliceResponse.model_validate({**data, "http_ms": http_ms})
 
     def fork(
@@ -232,17 +250,11 @@ class LeylineClient:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         max_new_tokens: int = 1,
-        top_logprobs: int = 0,
         **sampling: Any,
     ) -> GenerateResult:
-        """SGLang ``/generate`` with token ids, greedy by default; ``top_logprobs`` > 0: also the
-        top log-probabilities of each output position (``meta["output_top_logprobs"]``: per
-        position ``[logprob, token_id, text]`` rows, highest first). Raises
-        ``httpx.HTTPError``."""
+        """SGLang ``/generate`` with token ids, greedy by default. Raises ``httpx.HTTPError``."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
-        if top_logprobs > 0:
-            body.update(return_logprob=True, top_logprobs_num=top_logprobs)
         body.update(Namespace(extra_key, cache_salt).fields())
         t0 = time.perf_counter()
         r = self.http.post("/generate", json=body)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,6 +32,7 @@ from leyline_agent.placement import namespace as _namespace
 from leyline_agent.policies.protocol import Policy
 from leyline_agent.retention import SessionPins
 from leyline_agent.token_changes import common_prefix
+from leyline_agent.wire import splice_key, state_id
 from leyline_agent.wrapper import ConversationWrapper, TurnPlan
 
 # The previous turn's reply after ``wrapper.tokens``: its ids, its length, or None: unknown.
@@ -85,6 +87,8 @@ class SessionCore:
         self.pins = SessionPins(self.placement)
         self.splice_enabled = splice
         self.records: list[TurnRecord] = []
+        # the versions the session's splices went through (wire.state_id), the last 64
+        self.states: deque[dict[str, Any]] = deque(maxlen=64)
         self.messages: list[dict[str, Any]] = []
         self._reply: Reply = 0
 
@@ -167,11 +171,18 @@ class SessionCore:
         elif self.splice_enabled and plan.directives and self.wrapper.tokens:
             held = common_prefix(self.wrapper.tokens, plan.tokens)
             try:
+                parent = state_id(self.wrapper.tokens, where.extra_key, where.salt)
                 result = where.client.splice(
                     self.wrapper.tokens, plan.directives, extra_key=where.extra_key,
                     cache_salt=where.salt, target_extra_key=where.splice_target(),
+                    expected_state=parent,
+                    idempotency_key=splice_key(parent, plan.directives, where.splice_target()),
                 )  # fmt: skip
                 splice_ms = result.http_ms
+                self.states.append({
+                    "turn": len(self.records), "parent_state_id": result.parent_state_id,
+                    "state_id": result.state_id, "replayed": result.replayed,
+                })  # fmt: skip
             except SpliceRejected as e:
                 error, reason = f"{e.status}: {e.message}", e.reason
                 splice_ms = (time.perf_counter() - pending.t_start) * 1e3

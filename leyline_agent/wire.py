@@ -8,7 +8,10 @@ executor again in the scheduler).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import json
+from array import array
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -39,6 +42,27 @@ class Namespace(NamedTuple):
         return {**out, **self.fields()}
 
 
+def state_id(
+    tokens: Sequence[int], extra_key: str | None = None, cache_salt: str | None = None
+) -> str:
+    """The id of one cached sequence version: SHA-256 over the namespace ``(extra_key,
+    cache_salt)`` and the token ids (int64), 32 hex characters. Content-addressed, so the server
+    computes the id of whatever it holds without remembering anything; chained through edits by
+    ``SpliceResponse.parent_state_id`` (the version a splice was applied to)."""
+    h = hashlib.sha256(b"leyline-state-v1\0")
+    h.update(json.dumps([extra_key, cache_salt or None]).encode())
+    h.update(array("q", tokens).tobytes())
+    return h.hexdigest()[:32]
+
+
+def splice_key(parent_state: str, directives: Sequence[Directive], target: str | None) -> str:
+    """A deterministic ``idempotency_key`` for one edit of one version: the same edit of the same
+    state into the same target gets the same key (a client retry, or a restarted proxy sending
+    it again, is then answered with the first answer instead of being applied twice)."""
+    body = json.dumps([parent_state, target, [d.model_dump(mode="json") for d in directives]])
+    return "leyline-" + hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
 class SpliceRequest(BaseModel):
     """``POST /leyline/splice`` body.
 
@@ -55,6 +79,11 @@ class SpliceRequest(BaseModel):
     dp_rank: with SGLang ``--dp-size`` > 1, the DP rank that holds the sequence; None (default):
         the home rank of the namespace, where the server pins its requests (``backends/sglang/
         dp.py``). A client that pins requests itself (``routed_dp_rank``) names the same rank here.
+    expected_state: the ``state_id`` of ``tokens`` the client planned against; 409 when the
+        cache no longer holds it (``tokens`` are not that state, or not all cached).
+    idempotency_key: a retry with the same key and the same body gets the first 200 answer
+        again (``replayed`` true) without the edit being applied twice; the same key with another
+        body is a 409. Kept per namespace, bounded (the server's last 4,096 keys, 1 hour).
     debug_fault, debug_fail_after_prefill: test-only, honoured only with
         ``LEYLINE_DEBUG_ENDPOINTS=1`` (fault points: ``backends/sglang/ledger.py``).
     """
@@ -67,12 +96,20 @@ class SpliceRequest(BaseModel):
     cache_salt: str | None = None
     target_extra_key: str | None = None
     dp_rank: StrictInt | None = Field(default=None, ge=0)
+    expected_state: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
     debug_fault: str | None = None
     debug_fail_after_prefill: bool = False
 
     @property
     def namespace(self) -> Namespace:
         return Namespace(self.extra_key, self.cache_salt)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the body as validated, its ``idempotency_key`` left out: what an
+        identical retry must repeat."""
+        body = self.model_dump_json(exclude={"idempotency_key"})
+        return hashlib.sha256(body.encode()).hexdigest()
 
     @property
     def crosses(self) -> bool:
@@ -101,6 +138,14 @@ class SpliceResponse(BaseModel):
     cached_before: tokens of ``tokens`` found cached (always all of them on success).
     timings_ms: the splice broken down, in milliseconds: ``prefill`` (replacement prefills),
         ``rotate`` (δ-rotation, copies and in place), ``tree`` (detach, purge, insert, frees).
+    state_id: the new sequence version's ``state_id`` (its tokens in the target namespace).
+    parent_state_id: the ``state_id`` of ``tokens``, the version the edit was applied to.
+    slots_allocated: KV slots this splice took from the pool (replacement prefills, copies).
+    slots_freed: KV slots it gave back (FORGET's purge, the dropped span and extension, slots the
+        target already held). With ``prefix_reused`` (tokens reused), ``rotated`` and ``copied``
+        (rows), the evidence of what the splice did.
+    replayed: True when this is the stored answer to an earlier identical request (same
+        ``idempotency_key``, same body): nothing was done this time.
     http_ms: client side only (``LeylineClient.splice``): the HTTP round trip in milliseconds;
         never sent by the server.
     """
@@ -118,6 +163,11 @@ class SpliceResponse(BaseModel):
     elapsed_ms: float
     cached_before: int = 0
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    state_id: str = ""
+    parent_state_id: str = ""
+    slots_allocated: int = 0
+    slots_freed: int = 0
+    replayed: bool = False
     http_ms: float = Field(default=0.0, exclude=True)
 
 
@@ -154,6 +204,8 @@ class ForkRequest(BaseModel):
             cache_salt=self.cache_salt,
             target_extra_key=self.target_extra_key,
             dp_rank=self.dp_rank,
+            expected_state=None,
+            idempotency_key=None,
             debug_fault=None,
             debug_fail_after_prefill=False,
         )

@@ -107,6 +107,8 @@ class ProxySession:
             "splice": self.core.splice_enabled,
             "created": self.created,
             "in_flight": self.lock.locked(),
+            # the version the session's last splice made (wire.state_id), None before one
+            "state_id": self.core.states[-1]["state_id"] if self.core.states else None,
             **Totals.of(self.core.records).as_dict(),
         }
 
@@ -126,5 +128,11 @@ class ProxySession:
                  "expires_at": p.expires_at} for p in self.core.pins.live()]  # fmt: skip
 
     def detail(self) -> dict[str, Any]:
-        """The summary plus every turn's record (``GET /leyline/sessions/{id}``)."""
-        return {**self.summary(), "records": [r.model_dump() for r in self.core.records]}
+        """The summary plus every turn's record (``GET /leyline/sessions/{id}``) and the state
+        chain of its splices (``states``: turn, parent_state_id, state_id, replayed; the last
+        64)."""
+        return {
+            **self.summary(),
+            "records": [r.model_dump() for r in self.core.records],
+            "states": list(self.core.states),
+        }

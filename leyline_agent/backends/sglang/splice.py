@@ -77,7 +77,8 @@ from leyline_agent.backends.sglang.preflight import (
     check_context_length,
     check_forget_span,
 )
-from leyline_agent.directive import DirectiveError, sort_and_check
+from leyline_agent.backends.sglang.versions import ReplayStore, check_expected_state
+from leyline_agent.directive import DirectiveError, plan_edit, sort_and_check
 from leyline_agent.wire import (
     ForkRequest,
     ForkResponse,
@@ -87,6 +88,7 @@ from leyline_agent.wire import (
     SpliceResponse,
     UnpinRequest,
     UnpinResult,
+    state_id,
 )
 
 if TYPE_CHECKING:
@@ -102,6 +104,8 @@ class SpliceExecutor:
         self.scheduler = scheduler
         self.served = Served(scheduler)
         self.duplicates = 0  # slots of the last commit that the target already held
+        self.allocated = self.freed = 0  # slots the last commit took from / gave back to the pool
+        self.replays = ReplayStore()  # idempotency keys (versions.py)
 
     def handle(self, payload: str, op: str = "splice") -> tuple[int, str]:
         """Run one control request (``op``: splice, fork, pin, unpin; ``payload``: its JSON
@@ -122,6 +126,8 @@ class SpliceExecutor:
             return 422, json.dumps({"error": f"invalid {op} request", "detail": detail})
         try:
             self.served.tree.pins.expire()
+            if isinstance(req, SpliceRequest) and (replayed := self.replays.replay(req)):
+                return 200, replayed
             resp = run(req)
         except SpliceError as e:
             return e.status, json.dumps(e.body())
@@ -131,7 +137,10 @@ class SpliceExecutor:
             if not isinstance(e, InjectedFault):
                 logger.exception("leyline splice failed")
             return 500, json.dumps({"error": f"{op} failed and was rolled back: {e!r}"})
-        return 200, resp.model_dump_json()
+        body = resp.model_dump_json()
+        if isinstance(req, SpliceRequest):
+            self.replays.remember(req, body)
+        return 200, body
 
     # ---- fork, pin, unpin --------------------------------------------------------------------
     def fork(self, req: ForkRequest) -> ForkResponse:
@@ -185,6 +194,7 @@ class SpliceExecutor:
         ordered = sort_and_check(req.directives, len(req.tokens)) if req.directives else []
         grown = sum(len(d.replacement) - (d.end - d.start) for d in ordered)
         check_context_length(self.scheduler, len(req.tokens), len(req.tokens) + grown)
+        parent_state = check_expected_state(req)
         fault = FaultInjector(req.debug_fault if debug_enabled() else None)
         if req.debug_fail_after_prefill and debug_enabled():
             fault = FaultInjector("commit")
@@ -246,6 +256,10 @@ class SpliceExecutor:
             in_place=took_chain,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
             cached_before=cached,
+            state_id=state_id(plan_edit(req.tokens, ordered).new_tokens, *req.target),
+            parent_state_id=parent_state,
+            slots_allocated=self.allocated,
+            slots_freed=self.freed + purged,
             timings_ms=timings,
         )
 
@@ -361,12 +375,15 @@ class SpliceExecutor:
             array("q", plan.new_tokens), target.extra_key, cache_salt=target.cache_salt
         )
         result = tree.insert(InsertParams(key=new_key, value=new_slots))
+        self.allocated = sum(int(t.numel()) for t in ledger.fresh)
         ledger.release_to_tree()  # the tree owns new_slots now (duplicates freed just below)
         # what the target already held is freed: past the kept prefix, or (copied) from 0
         own_from = 0 if req.crosses else first
         dup = new_slots[own_from : max(own_from, int(result.prefix_len))]
         self.duplicates = int(dup.numel())  # what the target already held (a fork's rerun)
+        self.freed = 0
         for t in (dup, dropped):
             if t is not None and t.numel():
                 tree.token_to_kv_pool_allocator.free(t)
+                self.freed += int(t.numel())
         return purged, bool(plan.in_place and chain)
