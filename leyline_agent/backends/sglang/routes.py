@@ -53,6 +53,14 @@ async def _control(request: Request, op: str, model: type[BaseModel]) -> JSONRes
     except ValidationError as e:
         detail = json.loads(e.json(include_url=False, include_input=False))
         return JSONResponse({"error": f"invalid {op} request", "detail": detail}, status_code=422)
+    status, result = await execute(op, body)
+    return JSONResponse(result, status_code=status)
+
+
+async def execute(op: str, body: Any) -> tuple[int, Any]:
+    """Run the validated control request ``body`` (``op``: splice, fork, pin, unpin) on the DP
+    rank that holds its namespace; ``(http_status, the JSON answer)``. Also the in-band splice's
+    executor (``inband.py``)."""
     tm = _tokenizer_manager()
     n = _dp_size(tm)
     # DP: the rank that holds the namespace (dp.py); every worker answers, replies in any order
@@ -67,28 +75,23 @@ async def _control(request: Request, op: str, model: type[BaseModel]) -> JSONRes
         dst = getattr(body, "target_extra_key", None)
         if n > 1 and dst is not None and body.dp_rank is None:
             if home_rank(dst, body.cache_salt, n) != target:
-                return JSONResponse(
-                    {
-                        "error": f"{op} across DP ranks is not supported: namespace {dst!r} "
-                        f"lives on another DP rank than {body.extra_key!r}"
-                    },
-                    status_code=501,
-                )
-    if (bad := _bad_rank(target, n)) is not None:
-        return bad
+                return 501, {
+                    "error": f"{op} across DP ranks is not supported: namespace {dst!r} "
+                    f"lives on another DP rank than {body.extra_key!r}"
+                }
+    if target is not None and not 0 <= target < n:
+        return 422, {"error": f"dp_rank {target} out of range [0, {n})"}
     req = SpliceReqInput(payload=body.model_dump_json(), op=op, dp_rank=target)
     outs = await tm.leyline_splice_communicator(req)
     if op == "unpin" and target is None and len(outs) > 1:  # by owner: every rank releases
         bodies = [json.loads(o.body) for o in outs if o.status == 200]
         if len(bodies) == len(outs):
-            return JSONResponse(
-                {k: sum(b[k] for b in bodies) for k in ("released", "pinned_slots")}
-            )
+            return 200, {k: sum(b[k] for b in bodies) for k in ("released", "pinned_slots")}
     out = pick_reply([Reply(o.dp_rank, o.status, o.body) for o in outs], target)
     result = json.loads(out.body)
     if n > 1 and isinstance(result, dict):
         result["dp_rank"] = out.dp_rank
-    return JSONResponse(result, status_code=out.status)
+    return out.status, result
 
 
 async def splice(request: Request) -> JSONResponse:
@@ -148,6 +151,9 @@ def add_routes() -> None:
     """Idempotent."""
     if any(getattr(r, "path", None) == "/leyline/splice" for r in http_server.app.routes):
         return
+    from leyline_agent.backends.sglang.inband import InbandSplice
+
+    http_server.app.add_middleware(InbandSplice)  # leyline_splice on /generate and chat
     http_server.app.add_api_route("/leyline/splice", splice, methods=["POST"])
     http_server.app.add_api_route("/leyline/fork", fork, methods=["POST"])
     http_server.app.add_api_route("/leyline/pin", pin, methods=["POST"])
