@@ -5,10 +5,11 @@ The same conversation (an assistant tool call, a ``--words-per-output`` tool out
 nudge per turn) grows to ``--target`` tokens; every turn's body goes through what the proxy does
 with it: ``parse`` (the request JSON), ``prepare`` (``chat_turn.prepare``: request checks, view,
 policy and plan; no splice is sent for appended turns under ``--policy none``), ``forward_json``
-(the body to the backend), ``answer_parse`` (the backend's answer with the prompt token ids the
-proxy asks for), ``complete`` (``chat_turn.complete``: usage, the ids compared, the turn
-recorded). ``backend_json`` is the backend's own cost of writing those ids (not the proxy's, so
-not in ``proxy_total``). Loopback hops are not counted. Parts are the handling thread's CPU time
+(the body to the backend), ``answer_parse`` (the backend's answer, with the prompt token ids on
+the turns the proxy asks for them: ``chat_turn.render_check``), ``complete``
+(``chat_turn.complete``: usage, the ids compared where asked, the turn recorded).
+``backend_json`` is the backend's own cost of writing its answer (not the proxy's, so not in
+``proxy_total``). Loopback hops are not counted. Parts are the handling thread's CPU time
 (``time.thread_time``: a loaded machine's waiting does not count); ``wall_total`` is the wall clock
 of the proxy's parts.
 
@@ -53,7 +54,7 @@ def main() -> None:
         {"role": "user", "content": "Fix the failing test in the repository."},
     ]
     rows: list[tuple[int, dict[str, float]]] = []
-    prompt = turn = 0
+    prompt = turn = checked = 0
     while prompt < args.target:
         body = {"model": "default", "messages": messages, "tools": TOOLS, "max_tokens": 1}
         raw = json.dumps(body).encode()
@@ -66,17 +67,15 @@ def main() -> None:
         json.dumps(ct.body)
         marks["forward_json"] = time.thread_time()
         ids = ct.pending.plan.tokens
+        choice = {"index": 0, "message": {"role": "assistant", "content": "a"}}
+        choice["finish_reason"] = "length"
+        if ct.body.get("return_prompt_token_ids"):  # the turns chat_turn.render_check picks
+            choice["prompt_token_ids"] = ids
+            checked += 1
         answer = {
             "id": "x",
             "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "a"},
-                    "finish_reason": "length",
-                    "prompt_token_ids": ids,
-                }
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": len(ids),
                 "completion_tokens": 1,
@@ -124,7 +123,10 @@ def main() -> None:
                 f"{lo:>6}-{min(hi, 10**6):<7} {len(sel):3d} turns  "
                 + "  ".join(f"{k} {v:.2f}" for k, v in med.items())
             )
-    print(json.dumps({"policy": args.policy, "buckets": out}))
+    print(f"{checked} of {turn} turns asked the backend for the prompt ids")
+    print(
+        json.dumps({"policy": args.policy, "buckets": out, "ids_checked": checked, "turns": turn})
+    )
 
 
 if __name__ == "__main__":

@@ -283,8 +283,8 @@ class IncrementalRenderer:
         old = base.text[p:q]
         if len(old) < _WINDOW_MIN // 2:
             return None
-        old_ids, old_starts = base.tokens[i:c], base.starts.slice(i, c, -p)
-        return resplice(self._encoder, old, old_ids, old_starts, piece, self.stats)
+        old_starts = base.starts.slice(i, c, -p)
+        return resplice(self._encoder, old, base.tokens, old_starts, piece, self.stats, at=i)
 
     def _remember(self, used: RenderState | None, state: RenderState) -> None:
         """Most recent first: the new state, then the one it was made from, then the rest."""

@@ -101,17 +101,19 @@ def resplice(
     old_starts: Starts,
     new: str,
     stats: dict[str, int] | None = None,
+    at: int = 0,
 ) -> tuple[list[int], Starts] | None:
     """Token ids and starts of ``new`` from ``old``'s (see module docstring), or None.
 
-    ``old_ids``/``old_starts`` must be ``old``'s exact encoding, and both texts must be encoded
-    on their own (they start and end at cuts the caller knows, such as special tokens).
-    ``stats``: ``"windowed"`` counts the windows used, ``"window_fallbacks"`` the failed checks.
+    ``old_ids[at:at + len(old_starts)]``/``old_starts`` must be ``old``'s exact encoding (``at``:
+    where it lies in a longer list, not copied), and both texts must be encoded on their own
+    (they start and end at cuts the caller knows, such as special tokens). ``stats``:
+    ``"windowed"`` counts the windows used, ``"window_fallbacks"`` the failed checks.
     """
     stats = stats if stats is not None else {}
     agree = prefix_len(old, new)
     if agree == len(old) == len(new):
-        return old_ids, old_starts
+        return old_ids[at : at + len(old_starts)], old_starts
     delta = len(new) - len(old)
     common = suffix_len(old, new, min(len(old), len(new)) - agree)
     a = _cut_before(new, agree)
@@ -124,14 +126,16 @@ def resplice(
     if (
         (i < len(old_starts) and old_starts[i] != a)
         or (j < len(old_starts) and old_starts[j] != x0)
-        or was.ids != old_ids[i:j]
+        or was.ids != old_ids[at + i : at + j]
         or [a + s for s in encoding_starts(was)] != old_starts.slice(i, j).tolist()
     ):
         stats["window_fallbacks"] = stats.get("window_fallbacks", 0) + 1
         return None
     stats["windowed"] = stats.get("windowed", 0) + 1
     enc = encode(new[a:x])
-    ids = old_ids[:i] + enc.ids + old_ids[j:]
+    ids = old_ids[at : at + i]
+    ids += enc.ids
+    ids += old_ids[at + j : at + len(old_starts)]
     starts = (
         old_starts.slice(0, i)
         + Starts.of(encoding_starts(enc), a)
