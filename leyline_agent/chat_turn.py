@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from leyline_agent import gateway, inband
 from leyline_agent.accounting import TurnRecord
 from leyline_agent.chat.openai import (
     chat_request_view,
@@ -55,6 +56,7 @@ class ChatTurn:
     marker: Marker | None
     keep_ids: bool = False  # the client asked for the prompt token ids itself
     markers: Sequence[Marker] = ()
+    edit: dict[str, Any] | None = None  # behind a gateway: the in-band splice in ``body``
 
     def prompt_ids(self, data: dict[str, Any]) -> list[int] | None:
         """The backend's prompt token ids of a non-streamed answer, removed from ``data``
@@ -74,27 +76,6 @@ def request_refusal(body: Any) -> str | None:
     return refused
 
 
-CHECK_EVERY = 16  # turns between two render-parity checks of a session that passed them
-
-
-def render_check(core: SessionCore, pending: Pending, kwargs: Mapping[str, Any] | None) -> bool:
-    """Whether this turn asks the backend for its prompt token ids, to compare them with the
-    rendered ones (``SessionCore.finish``: ``render_mismatch``, adopted as a resync).
-
-    Asked where the rendering may disagree with the backend's: the session's first turn and
-    every ``CHECK_EVERY``-th, a turn with template variables (``kwargs``) or a fallback plan (the
-    template rendered unchanged messages differently), a turn after one whose ids or length
-    disagreed or whose tokens are unknown (``wrapper.tokens`` empty). Other turns check the
-    answer's prompt length only: the ids cost the backend and the proxy a JSON list of the whole
-    prompt (about 3 ms at 30k tokens) on every turn.
-    """
-    records = core.records
-    if not records or len(records) % CHECK_EVERY == 0 or not core.wrapper.tokens:
-        return True
-    last = records[-1]
-    return bool(kwargs) or pending.plan.fallback or last.render_mismatch or last.resynced
-
-
 def prepare(
     core: SessionCore,
     body: Mapping[str, Any],
@@ -108,8 +89,7 @@ def prepare(
     Args:
         core: the session.
         body: the client's request; ``stream`` asks for a streamed answer (the body to send then
-            asks for usage, and the prompt ids where ``render_check`` does, in the stream; see
-            ``proxy/relay.py``).
+            asks for usage and the prompt ids in the stream, see ``proxy/relay.py``).
         context_len: the backend's context length (None: unknown, not checked).
         policy: this turn's own edits after the session's policy (e.g. the context editing an
             Anthropic request asks for).
@@ -150,23 +130,27 @@ def prepare(
     refused = length_error(prompt, budget, context_len)
     if refused is not None:
         raise RequestRefused(refused)
-    core.splice(pending)
+    edit = None
+    if core.placement.client.gateway:
+        edit = gateway.defer(core, pending)
+    else:
+        core.splice(pending)
     forward = core.chat_body(pending, body)
+    if edit is not None:  # NOTE: the splice rides on the request (gateway.py)
+        forward = {**gateway.namespace(core, edit).apply(forward), inband.FIELD: edit}
     if budget is not None and budget != max_new_tokens(body):
         forward.pop("max_completion_tokens", None)
         forward["max_tokens"] = budget
-    keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
-    check = keep or render_check(core, pending, template_kwargs(body))
     if body.get("stream"):
         options = body.get("stream_options") or {}
         forward["stream_options"] = {**options, "include_usage": True}
-        if check:
-            forward["return_input_ids_in_sglext"] = True
-    elif check:
+        forward["return_input_ids_in_sglext"] = True
+    else:
         forward["return_prompt_token_ids"] = True
+    keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
     markers = cache_markers(messages, tools)
     last = markers[-1] if markers else None
-    return ChatTurn(pending, forward, messages, tools, last, keep, markers)
+    return ChatTurn(pending, forward, messages, tools, last, keep, markers, edit)
 
 
 def complete(

@@ -103,12 +103,21 @@ class LeylineClient:
 
     ``timeout``: seconds for every request, or an ``httpx.Timeout`` (e.g. a shorter connect
     timeout). ``api_key``: the backend's key (``leyline serve --api-key``), sent on every request.
+    ``gateway``: the URL is a gateway (``smg``) in front of several workers: sessions send their
+    edits in-band and a routing key (``gateway.py``); ``/leyline/*`` does not reach a worker.
+    None (default): found out on first use (``gateway`` property).
     """
 
     def __init__(
-        self, base_url: str, timeout: float | httpx.Timeout = 600.0, *, api_key: str | None = None
+        self,
+        base_url: str,
+        timeout: float | httpx.Timeout = 600.0,
+        *,
+        api_key: str | None = None,
+        gateway: bool | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self._gateway = gateway
         self.http = httpx.Client(
             base_url=self.base_url, timeout=timeout, headers=auth_headers(api_key)
         )
@@ -116,6 +125,20 @@ class LeylineClient:
 
     def close(self) -> None:
         self.http.close()
+
+    @property
+    def gateway(self) -> bool:
+        """The URL is a gateway, not a ``leyline serve``: asked once when not given. ``smg``
+        answers ``GET /leyline/stats`` with 404 and the error code ``unknown_url``; a worker
+        answers it (a backend that cannot be reached counts as no gateway, asked again later)."""
+        if self._gateway is None:
+            try:
+                r = self.http.get("/leyline/stats")
+                error = r.json().get("error") if r.status_code == 404 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return False
+            self._gateway = isinstance(error, dict) and error.get("code") == "unknown_url"
+        return self._gateway
 
     def __enter__(self) -> LeylineClient:
         return self
@@ -250,11 +273,17 @@ class LeylineClient:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         max_new_tokens: int = 1,
+        top_logprobs: int = 0,
         **sampling: Any,
     ) -> GenerateResult:
-        """SGLang ``/generate`` with token ids, greedy by default. Raises ``httpx.HTTPError``."""
+        """SGLang ``/generate`` with token ids, greedy by default; ``top_logprobs`` > 0: also the
+        top log-probabilities of each output position (``meta["output_top_logprobs"]``: per
+        position ``[logprob, token_id, text]`` rows, highest first). Raises
+        ``httpx.HTTPError``."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
+        if top_logprobs > 0:
+            body.update(return_logprob=True, top_logprobs_num=top_logprobs)
         body.update(Namespace(extra_key, cache_salt).fields())
         t0 = time.perf_counter()
         r = self.http.post("/generate", json=body)

@@ -83,6 +83,7 @@ class Placement:
         # off); False: in ``shared``, exact KV only.
         self.private = not share_exact
         self._moved: str | None = None  # why the session moved to another backend
+        self.worker: str | None = None  # behind a gateway: the worker that answered last
 
     @property
     def extra_key(self) -> str:
@@ -122,6 +123,11 @@ class Placement:
         shared again; ``take_moved`` answers ``why`` once."""
         self.client, self._moved = client, why
         self.private = not self.share_exact
+
+    @property
+    def moved(self) -> bool:
+        """The session moved and its next turn has not yet been told (``take_moved``)."""
+        return self._moved is not None
 
     def take_moved(self) -> str | None:
         """Why the session moved since the last call (None: it did not)."""

@@ -84,10 +84,13 @@ class LeylineProxy:
         timeout: float,
         backend_api_key: str | None = None,
         share_exact: bool = True,
+        gateway: bool | None = None,
     ) -> None:
         urls = [backend_url] if isinstance(backend_url, str) else list(backend_url)
+        if gateway is True and len(urls) != 1:
+            raise ValueError("a gateway is one backend URL (it routes to the workers itself)")
         limits = httpx.Timeout(timeout, connect=connect_timeout)
-        self.pool = BackendPool(urls, timeout=limits, api_key=backend_api_key)
+        self.pool = BackendPool(urls, timeout=limits, api_key=backend_api_key, gateway=gateway)
         # the first backend's: /v1/models and the context length (every backend serves one model)
         self.backend_url = self.pool.first.url
         self.client, self.http = self.pool.first.client, self.pool.first.http
@@ -215,6 +218,7 @@ def create_app(
     backend_api_key: str | None = None,
     health_interval: float = DEFAULT_HEALTH_INTERVAL,
     share_exact: bool = True,
+    gateway: bool | None = None,
 ) -> FastAPI:
     """The proxy app in front of ``backend_url`` (a ``leyline serve``, without ``/v1``), or of
     several (a list of URLs; sessions routed by namespace, see ``backends.py``).
@@ -232,6 +236,10 @@ def create_app(
         health_interval: seconds between two polls of every backend's ``/health``.
         share_exact: sessions use their tenant's shared namespace until their first splice
             (False: each its own namespace from the first request, as before sharing).
+        gateway: ``backend_url`` is one gateway (``smg``) in front of the workers: every request
+            carries the session's routing key and its edits in-band (``gateway.py``,
+            docs/scale-out.md); None (default): found out from the backend
+            (``LeylineClient.gateway``).
 
     Raises:
         PolicyError: an unknown policy or bad policy parameters.
@@ -250,6 +258,7 @@ def create_app(
         timeout=timeout,
         backend_api_key=backend_api_key,
         share_exact=share_exact,
+        gateway=gateway,
     )
 
     @asynccontextmanager

@@ -85,6 +85,7 @@ class BackendPool:
         timeout: httpx.Timeout,
         api_key: str | None = None,
         fail_after: int = 2,
+        gateway: bool | None = None,
     ) -> None:
         rank(urls, "")  # raises on no URL or a URL given twice
         self.urls = [normalize(u) for u in urls]
@@ -92,7 +93,7 @@ class BackendPool:
         self.backends = {
             u: Backend(
                 u,
-                LeylineClient(u, timeout=timeout, api_key=api_key),
+                LeylineClient(u, timeout=timeout, api_key=api_key, gateway=gateway),
                 httpx.AsyncClient(base_url=u, timeout=timeout, headers=auth_headers(api_key)),
             )
             for u in self.urls

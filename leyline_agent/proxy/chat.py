@@ -38,6 +38,7 @@ import jinja2
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from leyline_agent import gateway
 from leyline_agent.accounting import TurnRecord
 from leyline_agent.chat.request import request_error
 from leyline_agent.chat_turn import ChatTurn, RequestRefused, complete, prepare
@@ -155,6 +156,34 @@ class ChatView:
         return StreamingResponse(lines, media_type="text/event-stream", headers=dict(headers))
 
 
+async def _post(
+    backend: Backend, session: ProxySession, turn: ChatTurn, *, stream: bool
+) -> httpx.Response:
+    """The turn's chat request (``stream``: its body not read yet). Behind a gateway
+    (``--gateway``) with the session's routing key; an in-band splice the worker refused
+    (``gateway.settle``: a counted miss, the request not run) is sent again without it."""
+    gw, core = backend.client.gateway, session.core
+    headers = gateway.routing_headers(core) if gw else None
+    while True:
+        req = backend.http.build_request(
+            "POST", "/v1/chat/completions", json=turn.body, headers=headers
+        )
+        r = await backend.http.send(req, stream=stream)
+        if not gw:
+            return r
+        data = None
+        if r.status_code != 200:
+            await r.aread()
+            try:
+                data = r.json()
+            except ValueError:
+                data = None
+        if not gateway.settle(core, turn.pending, turn.edit, r.status_code, r.headers, data):
+            return r
+        await r.aclose()
+        turn.body, turn.edit = gateway.without_edit(core, turn.body), None
+
+
 async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     """``POST /v1/chat/completions``: the body, then ``serve_turn`` with the chat view."""
     try:
@@ -229,8 +258,7 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
         pending, markers = prepared.pending, prepared.markers
         t0 = time.perf_counter()
         if body.get("stream"):
-            req = backend.http.build_request("POST", "/v1/chat/completions", json=prepared.body)
-            upstream = await backend.http.send(req, stream=True)
+            upstream = await _post(backend, session, prepared, stream=True)
             backend.count(error=upstream.status_code >= 500)
             if upstream.status_code != 200:
                 await upstream.aread()
@@ -247,7 +275,7 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
             )
             handed_over = True
             return view.stream(lines, prepared, headers)
-        r = await backend.http.post("/v1/chat/completions", json=prepared.body)
+        r = await _post(backend, session, prepared, stream=False)
         backend.count(error=r.status_code >= 500)
         request_ms = (time.perf_counter() - t0) * 1e3
         if r.status_code != 200:
