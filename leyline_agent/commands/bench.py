@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from leyline_agent.commands.options import out_option
+from leyline_agent.commands.options import ModelName, out_option, served_model
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -150,11 +150,12 @@ def splice(
     backend: Annotated[
         str | None,
         typer.Option(
-            help="a running `leyline serve` URL (any device); default: start the embedded one"
+            help="a running `leyline serve` URL (any device); default: start one serving --model"
         ),
     ] = None,
     out: Annotated[Path, out_option()] = Path("runs/bench_splice"),
     seed: Annotated[int, typer.Option(help="seeds the token ids")] = 0,
+    model: ModelName = None,
 ) -> None:
     """Engine-level latency of an edit near the start of a long cached sequence.
 
@@ -185,17 +186,15 @@ def splice(
         raise typer.BadParameter(str(e)) from e
 
     server = None
+    model_path = served_model(model, None)
     if backend is None:
-        from leyline_agent.backends.sglang.launch import (
-            DEFAULT_MAX_TOTAL_TOKENS,
-            EmbeddedServer,
-            ServerError,
-        )
+        from leyline_agent.backends.sglang.launch import EmbeddedServer, ServerError
+        from leyline_agent.models.registry import pool_tokens
 
-        pool = max(DEFAULT_MAX_TOTAL_TOKENS, 4 * (max(spec.lengths) + 1024))
-        _err(f"starting the embedded `leyline serve` (pool {pool:,} tokens; CPU: about a minute)")
+        pool = max(pool_tokens(model_path), 4 * (max(spec.lengths) + 1024))
+        _err(f"starting `leyline serve` (pool {pool:,} tokens; CPU: about a minute)")
         try:
-            server = EmbeddedServer(max_total_tokens=pool).start()
+            server = EmbeddedServer(model_path=model_path, max_total_tokens=pool).start()
         except ServerError as e:
             _err(str(e))
             raise typer.Exit(1) from e

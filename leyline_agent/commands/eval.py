@@ -16,6 +16,7 @@ from leyline_agent.commands.options import (
     ServedModelPath,
     backend_key_option,
     csv,
+    served_model,
     spec_default,
 )
 from leyline_agent.commands.progress import progress_bar
@@ -42,7 +43,11 @@ def debug_gym(
         typer.Option(help="any OpenAI-compatible endpoint (splice arm only if Leyline-enabled)"),
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="model name for --llm-url (default: its first model)")
+        str | None,
+        typer.Option(
+            help="a registered model (embedded, smollm2-135m-instruct: served here, or the one "
+            "--backend serves), else the model name for --llm-url (default: its first model)"
+        ),
     ] = None,
     backend_api_key: Annotated[
         str | None,
@@ -111,6 +116,10 @@ def debug_gym(
 
     if backend and llm_url:
         raise typer.BadParameter("give --backend or --llm-url, not both")
+    from leyline_agent.models import MODELS
+
+    if model in MODELS and not llm_url:  # a registered model: its directory, not an API name
+        model_path, model = served_model(model, model_path), None
     try:
         spec = EvalSpec(
             tasks=parse_tasks(tasks),

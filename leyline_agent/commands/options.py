@@ -31,6 +31,14 @@ ServedModelPath = Annotated[
     Path | None,
     typer.Option(help="model directory (tokenizer + chat template; served when embedded)"),
 ]
+ModelName = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="a registered model by name instead of --model-path: embedded (the default, random "
+        "weights) or smollm2-135m-instruct (real weights, converted once into the cache)",
+    ),
+]
 
 
 def backend_key_option(help: str) -> Any:
@@ -54,6 +62,19 @@ def spec_default(spec: type[BaseModel], name: str) -> Any:
     if field.default_factory is not None:
         return field.default_factory()  # type: ignore[call-arg]
     return field.default
+
+
+def served_model(model: str | None, model_path: Path | None) -> Path | None:
+    """``--model NAME`` / ``--model-path DIR`` -> the model directory (``None``: the embedded
+    default), a registered model built on first use with a line on stderr. Bad input (both, an
+    unknown name, a model whose source is missing) is a ``typer.BadParameter``."""
+    from leyline_agent.models import resolve
+    from leyline_agent.models.smollm2 import ModelBuildError
+
+    try:
+        return resolve(model, model_path, log=lambda m: typer.echo(m, err=True))
+    except (ValueError, ModelBuildError) as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from e
 
 
 def csv(text: str) -> list[str]:

@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from leyline_agent.commands.options import Host, Policy, Port, backend_key_option
+from leyline_agent.commands.options import (
+    Host,
+    ModelName,
+    Policy,
+    Port,
+    backend_key_option,
+    served_model,
+)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -41,6 +48,7 @@ def proxy(
         Path | None,
         typer.Option(help="Model directory the backend serves (its tokenizer and chat template)."),
     ] = None,
+    model: ModelName = None,
     api_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -85,6 +93,7 @@ def proxy(
     from leyline_agent.proxy.auth import ApiKeys
     from leyline_agent.routing import rank
 
+    model_path = served_model(model, model_path)
     try:
         ApiKeys(api_key or ())
     except ValueError as e:

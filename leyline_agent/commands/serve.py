@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from leyline_agent.backends.sglang.launch import CPU_MAX_RUNNING_REQUESTS, DEFAULT_MAX_TOTAL_TOKENS
-from leyline_agent.commands.options import Host, Port
+from leyline_agent.commands.options import Host, ModelName, Port, served_model
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
@@ -27,12 +27,16 @@ def serve(
             "(random weights: mechanics, not quality)."
         ),
     ] = None,
+    model: ModelName = None,
     port: Port = 30000,
     host: Host = "127.0.0.1",
     dtype: Annotated[str | None, typer.Option(help="KV/model dtype (SGLang --dtype).")] = None,
     max_total_tokens: Annotated[
         int | None,
-        typer.Option(help=f"KV pool size in tokens (default {DEFAULT_MAX_TOTAL_TOKENS} on CPU)."),
+        typer.Option(
+            help=f"KV pool size in tokens (default on CPU: two contexts of the model, "
+            f"{DEFAULT_MAX_TOTAL_TOKENS} for the embedded one)."
+        ),
     ] = None,
     max_running_requests: Annotated[
         int | None,
@@ -73,12 +77,15 @@ def serve(
 
     Extra arguments are passed to SGLang's launch_server unchanged. Without CUDA it enables the
     CPU dev mode (leyline_agent/backends/sglang/cpu_dev.py) and the leyline_cpu attention backend,
-    and sizes the KV pool for two contexts of the embedded model (131,072 tokens each). The
-    OpenAI endpoints serve the model under its path (SGLang's --served-model-name overrides it).
+    and sizes the KV pool for two contexts of the model (131,072 tokens each for the embedded one;
+    8,192 for smollm2-135m-instruct). The OpenAI endpoints serve the model under its path
+    (SGLang's --served-model-name overrides it).
     """
     from leyline_agent.backends.sglang.launch import cuda_available, server_command
+    from leyline_agent.models.registry import pool_tokens
 
     cpu = not cuda_available()
+    model_path = served_model(model, model_path)
     if dummy is None:
         dummy = model_path is None
     if model_path is None:
@@ -89,7 +96,7 @@ def serve(
     elif not (model_path / "config.json").is_file():
         raise typer.BadParameter(f"{model_path} has no config.json", param_hint="--model-path")
     if cpu and max_total_tokens is None:
-        max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
+        max_total_tokens = pool_tokens(model_path)
     if cpu and max_running_requests is None:
         max_running_requests = CPU_MAX_RUNNING_REQUESTS
     extra = list(ctx.args)

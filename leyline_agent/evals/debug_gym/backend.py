@@ -84,12 +84,13 @@ def open_backend(
     if spec.llm_url or spec.backend:
         yield probe_backend(spec.llm_url or spec.backend or "", spec.model, api_key)
         return
-    from leyline_agent.backends.sglang.launch import DEFAULT_MAX_TOTAL_TOKENS, EmbeddedServer
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
+    from leyline_agent.models.registry import pool_tokens
 
     log("starting the embedded `leyline serve` (CPU: about a minute) ...")
     model_path = Path(spec.model_path) if spec.model_path else None
     with EmbeddedServer(
-        model_path=model_path, max_total_tokens=DEFAULT_MAX_TOTAL_TOKENS, timeout=600
+        model_path=model_path, max_total_tokens=pool_tokens(model_path), timeout=600
     ) as srv:
         yield probe_backend(srv.url, spec.model)
 
