@@ -76,6 +76,27 @@ def request_refusal(body: Any) -> str | None:
     return refused
 
 
+CHECK_EVERY = 16  # turns between two render-parity checks of a session that passed them
+
+
+def render_check(core: SessionCore, pending: Pending, kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether this turn asks the backend for its prompt token ids, to compare them with the
+    rendered ones (``SessionCore.finish``: ``render_mismatch``, adopted as a resync).
+
+    Asked where the rendering may disagree with the backend's: the session's first turn and
+    every ``CHECK_EVERY``-th, a turn with template variables (``kwargs``) or a fallback plan (the
+    template rendered unchanged messages differently), a turn after one whose ids or length
+    disagreed or whose tokens are unknown (``wrapper.tokens`` empty). Other turns check the
+    answer's prompt length only: the ids cost the backend and the proxy a JSON list of the whole
+    prompt (about 3 ms at 30k tokens) on every turn.
+    """
+    records = core.records
+    if not records or len(records) % CHECK_EVERY == 0 or not core.wrapper.tokens:
+        return True
+    last = records[-1]
+    return bool(kwargs) or pending.plan.fallback or last.render_mismatch or last.resynced
+
+
 def prepare(
     core: SessionCore,
     body: Mapping[str, Any],
@@ -89,7 +110,8 @@ def prepare(
     Args:
         core: the session.
         body: the client's request; ``stream`` asks for a streamed answer (the body to send then
-            asks for usage and the prompt ids in the stream, see ``proxy/relay.py``).
+            asks for usage, and the prompt ids where ``render_check`` does, in the stream; see
+            ``proxy/relay.py``).
         context_len: the backend's context length (None: unknown, not checked).
         policy: this turn's own edits after the session's policy (e.g. the context editing an
             Anthropic request asks for).
@@ -141,13 +163,15 @@ def prepare(
     if budget is not None and budget != max_new_tokens(body):
         forward.pop("max_completion_tokens", None)
         forward["max_tokens"] = budget
+    keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
+    check = keep or render_check(core, pending, template_kwargs(body))
     if body.get("stream"):
         options = body.get("stream_options") or {}
         forward["stream_options"] = {**options, "include_usage": True}
-        forward["return_input_ids_in_sglext"] = True
-    else:
+        if check:
+            forward["return_input_ids_in_sglext"] = True
+    elif check:
         forward["return_prompt_token_ids"] = True
-    keep = bool(body.get("return_prompt_token_ids") or body.get("return_token_ids"))
     markers = cache_markers(messages, tools)
     last = markers[-1] if markers else None
     return ChatTurn(pending, forward, messages, tools, last, keep, markers, edit)
