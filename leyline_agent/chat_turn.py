@@ -15,6 +15,7 @@ changes the cache. A new API surface is a thin adapter: it builds a chat body fr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,16 @@ def request_refusal(body: Any) -> str | None:
     return refused
 
 
-CHECK_EVERY = 16  # turns between two render-parity checks of a session that passed them
+def _check_every() -> int:
+    value = os.environ.get("LEYLINE_RENDER_CHECK_EVERY", "16")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LEYLINE_RENDER_CHECK_EVERY must be an integer >= 1, not {value!r}")
+    return int(value)
+
+
+# Turns between two render-parity checks of a session that passed them (1: every turn, as the
+# tests run; ``LEYLINE_RENDER_CHECK_EVERY``).
+CHECK_EVERY = _check_every()
 
 
 def render_check(core: SessionCore, pending: Pending, kwargs: Mapping[str, Any] | None) -> bool:

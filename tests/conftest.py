@@ -9,6 +9,11 @@ from collections.abc import Iterator
 import pytest
 from requires import require_sglang
 
+# NOTE: every turn's rendering is checked against the backend's prompt ids (the proxy's default
+# checks a session's first turn and every 16th: ``chat_turn.render_check``), so that the live
+# tests' "no render mismatch" holds for every turn.
+os.environ.setdefault("LEYLINE_RENDER_CHECK_EVERY", "1")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the session's server is ``live`` (tests that start their own server

@@ -23,6 +23,21 @@ def renderer() -> Any:
     return load_renderer()
 
 
+@pytest.fixture(autouse=True)
+def check_every(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (the test session checks every turn: ``conftest.py``)."""
+    monkeypatch.setattr(chat_turn, "CHECK_EVERY", 16)
+
+
+def test_check_every_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEYLINE_RENDER_CHECK_EVERY", "3")
+    assert chat_turn._check_every() == 3
+    for bad in ("0", "x", "-2"):
+        monkeypatch.setenv("LEYLINE_RENDER_CHECK_EVERY", bad)
+        with pytest.raises(ValueError, match="LEYLINE_RENDER_CHECK_EVERY must be an integer"):
+            chat_turn._check_every()
+
+
 def new_core(renderer: Any) -> SessionCore:
     # NOTE: policy none and appended turns only: no splice is ever sent to this address.
     return SessionCore(LeylineClient("http://127.0.0.1:9"), ConversationWrapper(renderer, "none"))
