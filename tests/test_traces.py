@@ -283,3 +283,23 @@ def test_anthropic_blocks_in_jsonl(tmp_path: Path) -> None:
     assert t1 == {"role": "tool", "content": "1", "tool_call_id": "a", "name": "view"}
     assert t2 == {"role": "tool", "content": "ok", "tool_call_id": "b", "name": "eval"}
     assert user == {"role": "user", "content": "go on"}
+
+
+@pytest.mark.parametrize("name,indent", [("debug_gym.jsonl", 4), ("froggy.jsonl", None)])
+def test_old_debug_gym_jsonl_holding_one_document(
+    tmp_path: Path, name: str, indent: int | None
+) -> None:
+    """debug-gym before PR #230 wrote its log as ONE JSON document into a .jsonl file (pretty-
+    printed or on one line): loaded as the same trace as the .json, named after its problem."""
+    src = next((traces_dir() / "debug-gym").glob("*.json"))
+    data = json.loads(src.read_text())
+    run = tmp_path / "run-1" / data["problem"]
+    run.mkdir(parents=True)
+    (run / name).write_text(json.dumps(data, indent=indent))
+    traces = load(tmp_path)
+    assert traces.skipped == []
+    (trace,) = traces
+    (ref,) = load(src)
+    assert trace.name == data["problem"]
+    assert trace.turns == ref.turns and trace.tools == ref.tools and len(trace.turns) > 1
+    assert trace.source == str(run / name)

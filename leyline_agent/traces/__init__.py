@@ -73,7 +73,8 @@ def load_file(path: str | Path) -> list[Trace]:
 
     path = Path(path)
     if path.suffix == ".jsonl":
-        return jsonl.load(path)
+        old = debug_gym.one_document(path)
+        return debug_gym.load_data(old, path) if old is not None else jsonl.load(path)
     data = read_json(path)
     for loader in (swe_agent, debug_gym):
         if loader.matches(data):
