@@ -23,7 +23,12 @@ app.add_typer(trace.app, name="trace", help="Check a model's chat template and p
 app.registered_commands += serve.app.registered_commands
 app.registered_commands += proxy.app.registered_commands
 app.registered_commands += replay.app.registered_commands
-app.add_typer(bench.app, name="bench", help="Experiments of the paper (fidelity).")
+app.add_typer(
+    bench.app,
+    name="bench",
+    help="Benchmarks: splice (a splice and the next request against a re-prefill, per cached "
+    "length) and fidelity (a spliced cache's outputs against an exact one's).",
+)
 app.add_typer(eval_cmd.app, name="eval", help="Live benchmarks through the Leyline proxy.")
 
 

@@ -17,3 +17,17 @@ def test_help_has_no_type_placeholders(cmd: list[str]) -> None:
     assert res.exit_code == 0, res.output
     assert "Usage: leyline" in res.output
     assert "<bool>" not in res.output and "BOOLEAN" not in res.output
+
+
+def test_bench_help_names_both_benchmarks() -> None:
+    res = CliRunner().invoke(app, ["bench", "--help"], terminal_width=100)
+    assert res.exit_code == 0, res.output
+    assert "splice" in res.output and "fidelity" in res.output
+    assert "Benchmarks: splice (a splice and the next request against a re-prefill" in res.output
+
+
+def test_replay_help_offers_wide_json_verbose() -> None:
+    res = CliRunner().invoke(app, ["replay", "--help"], terminal_width=100)
+    assert res.exit_code == 0, res.output
+    for flag in ("--wide", "--json", "--verbose"):
+        assert flag in res.output, flag

@@ -3,14 +3,24 @@ and the proxy-overhead bench share (no sglang, no server: small Python processes
 
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from leyline_agent.backends.sglang.launch import ServerError, free_port, read_tail, wait_healthy
+from leyline_agent.backends.sglang.launch import (
+    EmbeddedServer,
+    ServerError,
+    free_port,
+    read_tail,
+    wait_healthy,
+)
+from leyline_agent.commands.progress import start_server
 
 HEALTH_SERVER = textwrap.dedent(
     """
@@ -77,3 +87,69 @@ def test_read_tail(tmp_path: Path) -> None:
     assert read_tail(log) == ""  # missing
     log.write_text("".join(f"line {i}\n" for i in range(50)))
     assert read_tail(log, 3) == "line 47\nline 48\nline 49"
+
+
+SGLANG_LIKE = (
+    textwrap.dedent(
+        """
+    import sys, time
+    print("warnings.warn(", flush=True)
+    print("[2026-12-03 22:41:11] Load weight begin.", flush=True)
+    time.sleep(0.6)
+    print("[2026-12-03 22:41:12] Capture cuda graph skipped.", flush=True)
+    """
+    )
+    + HEALTH_SERVER
+)
+
+
+def _fake_server(tmp_path: Path) -> EmbeddedServer:
+    """An ``EmbeddedServer`` whose process is a small script that logs like SGLang, then answers
+    ``/health`` (SGLang itself cannot start in a unit test)."""
+    srv = EmbeddedServer(timeout=30)
+    srv.argv = [sys.executable, "-c", SGLANG_LIKE, str(srv.port)]
+    return srv
+
+
+def test_start_server_shows_progress_and_keeps_the_log_out(tmp_path: Path) -> None:
+    out = io.StringIO()
+    srv = _fake_server(tmp_path)
+    try:
+        start_server(srv, Console(file=out, width=200, force_terminal=False), every_s=0.0)
+    finally:
+        srv.stop()
+    text = out.getvalue()
+    assert text.startswith(f"starting the embedded leyline serve (log: {srv.log_path})\n")
+    phases = r"starting Python|Load weight begin\.|Capture cuda graph skipped\."
+    assert re.search(rf"^starting leyline serve: \d+ s \(({phases})\)$", text, re.M), text
+    assert text.rstrip().endswith(f"leyline serve ready at {srv.url}")
+    assert "[2026-12-03" not in text and "warnings.warn" not in text  # the log stays in its file
+    assert "Load weight begin." in srv.log_path.read_text()
+    assert srv.phase() == "Capture cuda graph skipped."
+
+
+def test_start_server_verbose_shows_the_log(tmp_path: Path) -> None:
+    out = io.StringIO()
+    srv = _fake_server(tmp_path)
+    try:
+        start_server(srv, Console(file=out, width=200, force_terminal=False), verbose=True)
+    finally:
+        srv.stop()
+    text = out.getvalue()
+    assert "[2026-12-03 22:41:11] Load weight begin." in text
+    assert "[2026-12-03 22:41:12] Capture cuda graph skipped." in text
+
+
+def test_interrupted_start_stops_the_server(tmp_path: Path) -> None:
+    """Ctrl-C while the server starts must not leave it running (it has its own session, so
+    the terminal's SIGINT does not reach it)."""
+    srv = EmbeddedServer(timeout=30)
+    srv.argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    def interrupt(elapsed: float) -> None:
+        if elapsed > 0.5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        srv.start(on_poll=interrupt)
+    assert srv.proc is not None and srv.proc.poll() is not None

@@ -18,9 +18,10 @@ from leyline_agent.directive import apply_directives
 from leyline_agent.policies import parse_policy
 from leyline_agent.replay import examples_dir
 from leyline_agent.replay.plots import plot
-from leyline_agent.replay.report import arm_totals, summarize, table
+from leyline_agent.replay.report import arm_totals, summarize
 from leyline_agent.replay.runner import LevelResult, replay_session, session_order
 from leyline_agent.replay.spec import ReplaySpec, TurnRow
+from leyline_agent.replay.table import table
 from leyline_agent.runinfo import git_commit
 from leyline_agent.traces import load
 from leyline_agent.wrapper import ConversationWrapper
@@ -173,8 +174,14 @@ def test_replay_cli_on_examples(leyline_server: str, tmp_path: Path) -> None:
     assert arms["splice"]["prefilled_tokens"] < arms["reprefill"]["prefilled_tokens"]
     assert arms["splice"]["spliced_turns"] == arms["splice"]["edited_turns"] > 0
     assert arms["splice"]["splice_misses"] == 0
-    assert 0.0 <= arms["splice"]["argmax_agreement"] <= 1.0
+    # the embedded model's random weights: the reference's top two log-probabilities are equal
+    # on every spliced turn, so its argmax decides nothing and agreement is not applicable
+    splice = arms["splice"]
+    assert splice["argmax_turns"] == splice["spliced_turns"] == splice["argmax_flat_turns"]
+    assert splice["argmax_agreement"] is None and splice["argmax_decided_turns"] == 0
     assert arms["none"]["argmax_agreement"] is None
+    assert splice["reprefill_tokens"] == arms["reprefill"]["prefilled_tokens"]  # same turns
+    assert splice["saved_tokens"] == splice["reprefill_tokens"] - splice["prefilled_tokens"] > 0
     assert doc["concurrency"] == 2 and set(doc["levels"]) == {"2"}
 
     results = json.loads((out / "results.json").read_text())
@@ -246,9 +253,10 @@ def test_table_and_plots_lead_with_prefilled_tokens(tmp_path: Path) -> None:
     spec = ReplaySpec(traces=["x"], arms=["none", "splice"])
     summary = summarize([LevelResult(1, rows, 1.0)], spec.arms)
     t = table(summary, spec)
-    assert [c.header for c in t.columns][2:4] == ["prefilled", "vs none"]
-    assert "1 (1 HTTP 400)" in t.columns[7]._cells
-    assert "lower hit rate than `none`" in str(t.caption)
+    assert [c.header for c in t.columns][:3] == ["arm", "prefilled", "vs none"]
+    assert t.columns[-1].header == "skipped"  # shown: a turn was skipped
+    assert "1 (1 HTTP 400)" in t.columns[-1]._cells
+    assert "look lower than none's while it prefills as little" in str(t.caption)
     paths = plot(tmp_path, summary, spec, [LevelResult(1, rows, 1.0)])
     assert [p.name for p in paths] == [
         "prefilled.png", "prefilled_turns.png", "hit_rate.png", "latency.png"

@@ -75,14 +75,41 @@ def replay(
             metavar="",
         ),
     ] = spec_default(ReplaySpec, "agreement"),
+    wide: Annotated[
+        bool,
+        typer.Option(
+            "--wide",
+            help="every column (turns, edited, best, edited ms, ttft ms, splice ms, skipped), "
+            "on 170 columns; the default fits 80",
+            metavar="",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="print the JSON line even on a terminal (always printed when stdout is not one)",
+            metavar="",
+        ),
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            help="show the embedded server's log as it starts (else only in its log file)",
+            metavar="",
+        ),
+    ] = False,
 ) -> None:
     """Replay agent traces turn by turn through the arms none, reprefill and splice.
 
     Every turn sends the recorded messages (teacher-forced) and generates one token. Prints a
-    progress bar on stderr (plain lines every 10 s when stderr is not a terminal) and a table led by
-    the prefilled tokens per arm; writes OUT/results.json, OUT/prefilled.png (per arm),
-    OUT/prefilled_turns.png (per turn along each trace), OUT/hit_rate.png and OUT/latency.png, and
-    prints as the last stdout line one JSON document: {"arms": {ARM: {"prefilled_tokens",
+    progress bar on stderr (plain lines every 10 s when stderr is not a terminal; while the
+    embedded server starts, a status line and its log file's path), a table led by the prefilled
+    tokens per arm (80 columns; --wide: every column) and the result in words; writes
+    OUT/results.json, OUT/prefilled.png (per arm), OUT/prefilled_turns.png (per turn along each
+    trace), OUT/hit_rate.png and OUT/latency.png. With --json, or when stdout is not a terminal,
+    the last stdout line is one JSON document: {"arms": {ARM: {"prefilled_tokens",
     "prompt_tokens", "reused_tokens", "hit_rate", "best_hit_rate", "mean_turn_ms",
     "skipped_turns", "skip_reasons", "argmax_agreement", ...}}, "levels": {...}, ...} for the
     first concurrency level. A turn that cannot run (the template or policy rejects it, or the
@@ -96,9 +123,11 @@ def replay(
     from leyline_agent import runinfo
     from leyline_agent.chat.model_dir import load_renderer
     from leyline_agent.client import LeylineClient
+    from leyline_agent.commands.progress import start_server
     from leyline_agent.policies import PolicyError, parse_policy
     from leyline_agent.replay import examples_dir, plots, report
     from leyline_agent.replay.runner import replay, total_turns
+    from leyline_agent.replay.table import in_words, table
     from leyline_agent.traces import TraceFormatError, load
 
     err = Console(stderr=True)
@@ -151,11 +180,9 @@ def replay(
             ServerError,
         )
 
-        err.print("starting the embedded `leyline serve` (CPU: about a minute) ...")
+        server = EmbeddedServer(model_path=model_path, max_total_tokens=DEFAULT_MAX_TOTAL_TOKENS)
         try:
-            server = EmbeddedServer(
-                model_path=model_path, max_total_tokens=DEFAULT_MAX_TOTAL_TOKENS
-            ).start()
+            start_server(server, err, verbose=verbose)
         except ServerError as e:
             err.print(str(e))
             raise typer.Exit(1) from e
@@ -195,11 +222,16 @@ def replay(
     path = report.write_results(out, spec, summary, results, trace_info, env)
     figures = plots.plot(out, summary, spec, results)
     console = Console()
-    if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
-        console = Console(width=150)
-    console.print(report.table(summary, spec))
-    console.print(f"results: {path}; plots: {', '.join(str(p) for p in figures)}")
-    typer.echo(json.dumps(report.headline(summary, spec, path)))
+    if wide or not console.is_terminal:  # every column, or a file: never squeeze the table
+        console = Console(width=max(console.width, 170))
+    console.print(table(summary, spec, wide=wide))
+    for level, s in summary.items():
+        words = in_words(s)
+        if words:
+            console.print((f"concurrency {level}: " if len(summary) > 1 else "") + " ".join(words))
+    console.print(f"results: {path}; plots: {', '.join(p.name for p in figures)}")
+    if as_json or not console.is_terminal:
+        typer.echo(json.dumps(report.headline(summary, spec, path)))
 
 
 class PlainProgress:

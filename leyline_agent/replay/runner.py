@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import httpx
 import jinja2
@@ -105,13 +105,24 @@ def replay_session(
                 backend=client.base_url,
             )
             if agreement and record.spliced:
-                ref = client.generate(core.wrapper.tokens, extra_key=reference_ns)
+                ref = client.generate(core.wrapper.tokens, extra_key=reference_ns, top_logprobs=2)
                 row.reference_token = ref.output_ids[0] if ref.output_ids else None
+                row.reference_margin = top_margin(ref.meta)
                 row.argmax_agree = row.reference_token == record.first_token
         rows.append(row)
         if on_turn is not None:
             on_turn(row)
     return rows
+
+
+def top_margin(meta: dict[str, Any]) -> float | None:
+    """The first output position's top two log-probabilities, their difference in nats, from
+    SGLang's ``meta_info["output_top_logprobs"]``; None when it is not there."""
+    try:
+        first, second = meta["output_top_logprobs"][0][:2]
+        return float(first[0]) - float(second[0])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
 
 
 def skip_reason(e: Exception) -> tuple[str, str]:

@@ -55,6 +55,8 @@ class TurnRow(TurnRecord):
 
     turn_ms: splice time + request time (end to end, as the agent waits).
     reference_token: first token of the exact reference path (spliced turns of the splice arm).
+    reference_margin: the reference's top two log-probabilities of that token's position, their
+        difference in nats (None where no reference ran or the backend gave none).
     argmax_agree: ``first_token == reference_token`` (None where no reference ran).
     error: why the turn could not run (template or policy error, or the backend refused the
         request with a 4xx status, e.g. a prompt longer than the model's context); it was skipped
@@ -69,6 +71,7 @@ class TurnRow(TurnRecord):
     trace: str
     turn_ms: float = 0.0
     reference_token: int | None = None
+    reference_margin: float | None = None
     argmax_agree: bool | None = None
     error: str | None = None
     skip_reason: str | None = None

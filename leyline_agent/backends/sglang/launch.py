@@ -162,19 +162,24 @@ def wait_healthy(
     name: str = "server",
     log_tail: Callable[[], str] | None = None,
     poll_s: float = 1.0,
+    on_poll: Callable[[float], None] | None = None,
 ) -> None:
     """Wait until ``url + "/health"`` answers 200 while ``proc`` (the process serving it) runs.
 
     ``name`` opens the error message; ``log_tail`` (when given) is called for the text that ends
-    it (the process's log tail). ``proc`` is left as it is on failure: stopping it is the
-    caller's.
+    it (the process's log tail). ``on_poll`` (when given) is called before every check with the
+    seconds waited so far (a progress line). ``proc`` is left as it is on failure: stopping it
+    is the caller's.
 
     Raises:
         ServerError: ``proc`` exited (with its exit code) or ``/health`` did not answer 200
             within ``timeout`` seconds.
     """
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     while True:
+        if on_poll is not None:
+            on_poll(time.monotonic() - t0)
         if proc.poll() is not None:
             problem = f"{name} exited ({proc.returncode})"
             break
@@ -237,7 +242,18 @@ class EmbeddedServer:
     def log_tail(self, n: int = 40) -> str:
         return read_tail(self.log_path, n)
 
-    def start(self) -> EmbeddedServer:
+    def phase(self) -> str:
+        """What the server is doing, read from its log: the message of its last SGLang line
+        (``[date time] message``; warnings and tracebacks skipped), "starting Python" before
+        the first."""
+        for line in reversed(read_tail(self.log_path, 20).splitlines()):
+            if line.startswith("[20") and "] " in line:
+                return line.split("] ", 1)[1].strip()
+        return "starting Python"
+
+    def start(self, on_poll: Callable[[float], None] | None = None) -> EmbeddedServer:
+        """Start the process (its output to ``log_path``) and wait for ``/health``; ``on_poll``:
+        called about once a second with the seconds waited (see ``wait_healthy``)."""
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -248,9 +264,10 @@ class EmbeddedServer:
             )
         try:
             wait_healthy(
-                self.url, self.proc, self.timeout, name="leyline serve", log_tail=self.log_tail
-            )
-        except ServerError:
+                self.url, self.proc, self.timeout, name="leyline serve", log_tail=self.log_tail,
+                on_poll=on_poll,
+            )  # fmt: skip
+        except BaseException:  # NOTE: Ctrl-C while it starts too: never leave it running
             self.stop()
             raise
         return self
