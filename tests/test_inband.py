@@ -183,3 +183,26 @@ def test_resolve_fills_the_namespace_and_refuses_another() -> None:
             inband.resolve(bad, body)
     with pytest.raises(inband.InbandError, match="single request"):
         inband.resolve({"tokens": [1], "directives": ds}, {"extra_key": ["a", "b"]})
+
+
+def test_replayed_body_then_the_clients_own_channel() -> None:
+    """After the body the middleware hands on the client's channel, never an invented
+    ``http.disconnect``: SGLang polls ``is_disconnected()`` during a long request and aborts it
+    on one (seen: /generate runs over ~4 s answered 400, the server's warm-up failed)."""
+    import asyncio
+
+    from leyline_agent.backends.sglang.inband import _replay
+
+    calls = []
+
+    async def client() -> dict[str, Any]:
+        calls.append(1)
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def main() -> list[dict[str, Any]]:
+        r = _replay(b'{"x": 1}', client)
+        return [await r(), await r()]
+
+    first, second = asyncio.run(main())
+    assert first == {"type": "http.request", "body": b'{"x": 1}', "more_body": False}
+    assert second["type"] == "http.request" and calls == [1]

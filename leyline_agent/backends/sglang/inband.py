@@ -66,17 +66,23 @@ async def _read(receive: Receive) -> bytes:
     return b"".join(chunks)
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body read once, then the client's own channel.
+
+    NOTE: not an immediate ``http.disconnect``: SGLang polls ``request.is_disconnected()`` while
+    a request runs and aborts it on one (a /generate taking over a few seconds answered 400
+    "Request is disconnected from the client side"; its start-up warm-up failed on a loaded
+    host). After the body, the client's channel blocks until the client really disconnects."""
     sent = False
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return {"type": "http.disconnect"}
+        return await receive()
 
-    return receive
+    return replay
 
 
 async def _answer(send: Send, status: int, body: Any, headers: dict[str, str]) -> None:
@@ -104,7 +110,7 @@ class InbandSplice:
         except ValueError:
             body = None
         if not isinstance(body, dict) or FIELD not in body:  # SGLang answers as usual
-            await self.app(scope, _replay(raw), _with_headers(send, {}))
+            await self.app(scope, _replay(raw, receive), _with_headers(send, {}))
             return
         value = body.pop(FIELD)
         try:
@@ -123,7 +129,7 @@ class InbandSplice:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
         header = json.dumps(result, separators=(",", ":"))
-        await self.app(scope, _replay(raw), _with_headers(send, {RESULT_HEADER: header}))
+        await self.app(scope, _replay(raw, receive), _with_headers(send, {RESULT_HEADER: header}))
 
 
 def _with_headers(send: Send, headers: dict[str, str]) -> Send:
