@@ -174,8 +174,10 @@ def time_turns(
     tools: list | None,
     sample: set[int],
     repeats: int,
+    with_full: bool = True,
 ) -> list[dict]:
-    """Per sampled turn: history tokens, full and incremental plan time (ms)."""
+    """Per sampled turn: history tokens, full and incremental plan time (ms; full: NaN without
+    ``with_full``)."""
     inc = ConversationWrapper(renderer, policy)
     full = ConversationWrapper(renderer, policy, incremental=False)
     rows = []
@@ -195,11 +197,13 @@ def time_turns(
                 inc.incremental._piece_chars = chars
 
             inc_ms, inc_cpu, plan = best_of(partial(inc.plan, messages, tools), restore, repeats)
-            full_ms, _, full_plan = best_of(
-                partial(full.plan, messages, tools), lambda: None, max(1, repeats // 3)
-            )
-            if not same(plan, full_plan):
-                raise SystemExit(f"turn {t}: incremental plan differs from the full one")
+            full_ms, full_plan = float("nan"), None
+            if with_full:
+                full_ms, _, full_plan = best_of(
+                    partial(full.plan, messages, tools), lambda: None, max(1, repeats // 3)
+                )
+                if not same(plan, full_plan):
+                    raise SystemExit(f"turn {t}: incremental plan differs from the full one")
             rows.append(
                 {
                     "turn": t,
@@ -250,6 +254,9 @@ def main() -> None:
     ap.add_argument("--policy", default=POLICY, help="policy spec(s), ';'-separated")
     ap.add_argument("--trace", type=Path, default=None, help="a trace file (default: longest)")
     ap.add_argument("--no-trace", action="store_true", help="skip the shared trace")
+    ap.add_argument(
+        "--no-full", action="store_true", help="no full-render baseline (nor its equality check)"
+    )
     args = ap.parse_args()
 
     renderer = load_renderer()
@@ -280,7 +287,9 @@ def main() -> None:
             n = len(turns)
             sample = {n // 4, n // 2} | set(range(n - 5, n))
             for policy in policies:
-                rows = time_turns(policy, renderer, turns, TOOLS, sample, args.repeats)
+                rows = time_turns(
+                    policy, renderer, turns, TOOLS, sample, args.repeats, not args.no_full
+                )
                 table(f"{shape}, grown to {size} tokens, policy {policy}", rows)
                 last = rows[-5:]
                 summary.append(
