@@ -22,6 +22,8 @@ def _has_attribute(owner: object, attr: str) -> bool:
     if isinstance(owner, types.ModuleType) or not isinstance(owner, type):
         return False
     assigned = re.compile(rf"self\.{re.escape(attr)}\s*(:[^=\n]+)?=[^=]")
+    # a line of a tuple target: ``(\n    self.max_req_len,\n    self.max_req_input_len,\n) = ...``
+    unpacked = re.compile(rf"^\s*self\.{re.escape(attr)},\s*$", re.MULTILINE)
     for cls in owner.__mro__:
         if attr in getattr(cls, "__annotations__", {}):
             return True
@@ -29,7 +31,7 @@ def _has_attribute(owner: object, attr: str) -> bool:
             source = inspect.getsource(cls)
         except (OSError, TypeError):
             continue
-        if assigned.search(source):
+        if assigned.search(source) or unpacked.search(source):
             return True
     return False
 

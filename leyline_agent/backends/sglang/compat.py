@@ -52,6 +52,8 @@ SYMBOLS: dict[str, str] = {
         "sglang.srt.mem_cache.registry:registered_radix_cache_backends"
     ),
     "TreeCacheBuildContext": "sglang.srt.mem_cache.registry:TreeCacheBuildContext",
+    "default_radix_cache_factory": "sglang.srt.mem_cache.registry:default_radix_cache_factory",
+    "SpeculativeAlgorithm": "sglang.srt.speculative.spec_info:SpeculativeAlgorithm",
     "alloc_token_slots": "sglang.srt.mem_cache.allocation:alloc_token_slots",
     "TokenToKVPoolAllocator": "sglang.srt.mem_cache.allocator:TokenToKVPoolAllocator",
     "ReqToTokenPool": "sglang.srt.mem_cache.memory_pool:ReqToTokenPool",

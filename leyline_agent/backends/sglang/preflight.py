@@ -77,7 +77,9 @@ class Served:
         return self._rope
 
     def check(self, req: SpliceRequest) -> LeylineRadixCache:
-        """Everything above, the request's token ids (400) and a free request row (503)."""
+        """The server's settings (``check_settings``: 501), everything above, the request's token
+        ids (400) and a free request row (503)."""
+        check_settings(self.scheduler)
         tree = self.tree
         self.kv_buffers()
         self.rope_spec()
@@ -157,3 +159,31 @@ def check_context_length(scheduler: Scheduler, old_len: int, new_len: int) -> No
         "send the request in full.",
         error_type="invalid_request_error",
     )
+
+
+def check_settings(scheduler: Scheduler) -> None:
+    """501 on server settings a splice (or fork) cannot be made right on, before any change:
+
+    - ``--enable-hierarchical-cache`` (HiCache): pages written back to host memory and L3
+      storage are keyed by their tokens only; a spliced page (rotated, or prefilled against an
+      edited context) written back would be served to other sessions as the exact KV of those
+      tokens. ``leyline serve`` then runs SGLang's own HiCache radix tree (``radix.py``).
+    - speculative decoding (EAGLE, EAGLE3, MTP, standalone drafts): the draft model's KV pool
+      shares the target's slot indices; a splice would need the same remap, copies and RoPE
+      rotation there (and the draft's own RoPE), which the plugin does not do.
+    """
+    if getattr(scheduler, "enable_hierarchical_cache", False):
+        raise SpliceError(
+            501,
+            "splices are refused with --enable-hierarchical-cache: HiCache keys the pages it "
+            "writes back to host memory and storage by their tokens only, so a spliced page "
+            "would be served to other sessions as exact KV (docs/backend.md)",
+        )
+    spec = getattr(scheduler, "spec_algorithm", None)
+    if spec is not None and not spec.is_none():
+        raise SpliceError(
+            501,
+            f"splices are refused with speculative decoding ({getattr(spec, 'name', spec)}): the "
+            "draft model's KV pool shares the slot indices and would need the same remap and "
+            "rotation (docs/backend.md)",
+        )

@@ -16,6 +16,7 @@ or (for the duration of a splice only) the splice itself.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,8 @@ from leyline_agent.backends.sglang.pins import Pins
 
 if TYPE_CHECKING:
     from leyline_agent.backends.sglang.compat import EvictParams, Req, TreeCacheBuildContext
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "leyline"
 
@@ -192,11 +195,21 @@ class LeylineRadixCache(RadixCache):
         }
 
 
-def leyline_radix_cache_factory(ctx: TreeCacheBuildContext) -> LeylineRadixCache:
-    """Factory for ``register_radix_cache_backend``. Only plain (non-hybrid) KV caches."""
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+def leyline_radix_cache_factory(ctx: TreeCacheBuildContext) -> Any:
+    """Factory for ``register_radix_cache_backend``. Only plain (non-hybrid) KV caches; with
+    ``--enable-hierarchical-cache`` SGLang's own HiCache tree (``default_radix_cache_factory``):
+    the server serves, and splices and forks answer 501 (``preflight.check_settings``)."""
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
         raise ValueError(
             "--radix-cache-backend leyline supports full-attention KV caches only "
-            "(no SWA/SSM hybrids, no hierarchical cache)"
+            "(no SWA/SSM hybrids)"
         )
+    if ctx.enable_hierarchical_cache:
+        from leyline_agent.backends.sglang.compat import default_radix_cache_factory
+
+        logger.warning(
+            "--enable-hierarchical-cache: serving SGLang's own HiCache radix tree; splices and "
+            "forks answer 501 (HiCache keys written-back pages by tokens only: docs/backend.md)"
+        )
+        return default_radix_cache_factory(ctx)
     return LeylineRadixCache(ctx.params)
