@@ -61,8 +61,10 @@ def sent_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """The message as the wrapper sends it: ``leyline_*`` annotations removed, a list of text
     parts joined into one string (so that the server and the wrapper cannot join them
     differently)."""
-    out = {k: v for k, v in message.items() if not k.startswith("leyline_")}
-    if is_text_parts(out.get("content")):
+    out = dict(message)
+    for k in [k for k in out if k.startswith("leyline_")]:
+        del out[k]
+    if type(out.get("content")) is not str and is_text_parts(out.get("content")):
         out["content"] = message_text(out)
     return out
 

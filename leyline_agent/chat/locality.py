@@ -50,12 +50,13 @@ def _screened(source: str) -> bool:
     return len(_LOOPS.findall(source)) <= 1 and not _NONLOCAL.search(_ALLOWED.sub("", source))
 
 
-def common_messages(a: Sequence[Message], b: Sequence[Message]) -> int:
+def common_messages(a: Sequence[Message], b: Sequence[Message], start: int = 0) -> int:
+    """How many messages from ``start`` on the lists have in common (equal, in order)."""
     n = min(len(a), len(b))
-    i = 0
+    i = start
     while i < n and (a[i] is b[i] or a[i] == b[i]):
         i += 1
-    return i
+    return i - start
 
 
 def _probe_conversations() -> list[list[dict[str, Any]]]:

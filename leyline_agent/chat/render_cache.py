@@ -106,11 +106,13 @@ class IncrementalRenderer:
         tools_l = list(tools) if tools is not None else None
         best, m, head = None, -1, False
         for s in self._states:
+            if len(s.messages) <= m:  # NOTE: it cannot share more than the best so far
+                continue
             if s.tools == tools_l and s.add_generation_prompt == add_generation_prompt:
                 k, h = common_messages(s.messages, messages), False
                 if k == 0 and self._head_changed(s.messages, messages):
                     # NOTE: only the first message's content changed before message ``k``.
-                    k, h = 1 + common_messages(s.messages[1:], messages[1:]), True
+                    k, h = 1 + common_messages(s.messages, messages, 1), True
                 if k > m:
                     best, m, head = s, k, h
         if best is not None and m == len(messages) == len(best.messages) and not head:
