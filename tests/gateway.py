@@ -2,8 +2,8 @@
 (``test_gateway.py``) and ``experiments/scale_out/gateway_run.py``.
 
 ``smg`` (PyPI ``smg``, a Rust binary in a wheel, pinned ``SMG_VERSION``) is installed once into a
-venv of its own under ``$LEYLINE_CACHE`` (``agent_venv.ensure_venv``: its grpcio/protobuf pins stay
-out of SGLang's environment). The gateway runs ``--policy consistent_hashing`` and hashes
+venv of its own under ``$LEYLINE_CACHE`` (``agent_venv.ensure_venv``: a gateway binary, nothing we
+import; the main venv's dev extra stays as it is). The gateway runs ``--policy consistent_hashing`` and hashes
 ``x-smg-routing-key`` (its built-in routing-key header), which the session layer sends.
 """
 
