@@ -69,14 +69,35 @@ def fidelity(
         ),
     ] = True,
     seed: Annotated[int, typer.Option(help="case generation seed")] = 1,
+    model: ModelName = None,
+    traces: Annotated[
+        list[Path] | None,
+        typer.Option(help="with --model: agent traces whose edited turns are the cases"),
+    ] = None,
+    budget: Annotated[
+        int, typer.Option(help="with --model: tokens each turn is fitted to (see docs/fidelity.md)")
+    ] = 1536,
 ) -> None:
     """The fidelity experiment (paper §4.3): full context vs AMORTIZE vs FORGET.
+
+    With --model NAME (a real model, e.g. smollm2-135m-instruct): the edited turns of --traces
+    on that model instead (leyline_agent/bench/fidelity/traces.py; at most --n cases).
 
     Prints tables, writes results.json, cases-<label>.jsonl (label: the dtype for MLA,
     gqa-<dtype> for GQA) and fidelity.png into --out, then prints one JSON summary as the last
     stdout line. See docs/fidelity.md.
     """
     import dataclasses
+
+    if model is not None:
+        from leyline_agent.bench.fidelity.trace_run import run_traces
+
+        model_dir = served_model(model, model_path)
+        if model_dir is None:
+            raise typer.BadParameter("the embedded model has random weights", param_hint="--model")
+        summary = run_traces(model_dir, traces or [], out, n=n, budget=budget, backend=backend)
+        typer.echo(json.dumps({"out": str(out), "model": model, "summary": summary}))
+        return
 
     from leyline_agent.bench.fidelity import arch_check as arch_mod
     from leyline_agent.bench.fidelity import divergence, report

@@ -1,0 +1,60 @@
+"""The real-model fidelity bench's pure parts (``bench/fidelity/traces.py``): Wilson intervals,
+KL from top-k logprobs, fitting a turn into a token budget, and the edited-turn cases built from
+the shared public traces (rendered with the embedded tokenizer; no server)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from shared_data import traces_dir
+
+from leyline_agent.bench.fidelity import traces as tf
+from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.traces import load
+
+
+def test_wilson_interval() -> None:
+    lo, hi = tf.wilson(20, 20)
+    assert hi == 1.0 and lo == pytest.approx(0.8389, abs=1e-3)  # 20/20: not "100 %, certain"
+    lo, hi = tf.wilson(29, 32)
+    assert lo == pytest.approx(0.7578, abs=1e-3) and hi == pytest.approx(0.9676, abs=1e-3)
+    assert all(math.isnan(x) for x in tf.wilson(0, 0))
+
+
+def test_kl_from_top_k() -> None:
+    p = {1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.1)}
+    assert tf.kl(p, p) == pytest.approx(0.0, abs=1e-12)
+    q = {1: math.log(0.2), 2: math.log(0.7), 3: math.log(0.1)}
+    want = 0.7 * math.log(0.7 / 0.2) + 0.2 * math.log(0.2 / 0.7)
+    assert tf.kl(p, q) == pytest.approx(want)
+    # tokens missing from q's top-k get q's smallest listed logprob
+    floor = 0.7 * math.log(0.7 / 0.5) + 0.2 * math.log(0.2 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    assert tf.kl(p, {1: math.log(0.5)}) == pytest.approx(floor)
+
+
+def test_fit_keeps_system_and_the_last_messages() -> None:
+    msgs = [{"role": "system", "content": "s"}] + [
+        {"role": "user", "content": "x" * 10} for _ in range(5)
+    ]
+
+    def count(m: list[dict]) -> int:
+        return sum(len(x["content"]) for x in m)
+
+    fitted = tf.fit(msgs, count, 31)
+    assert fitted == [msgs[0], *msgs[-3:]]
+    assert tf.fit(msgs, count, 5) is None
+
+
+def test_cases_from_the_shared_traces_are_edits_of_fitted_turns() -> None:
+    renderer = load_renderer(None)
+    traces = [t for t in load(traces_dir()) if t.turns]
+    spec = tf.TraceFidelitySpec(budget=1024, n=1000)
+    cases = list(tf.cases(traces, renderer, spec))
+    assert len(cases) > 20 and {c.policy for c in cases} <= set(spec.policies)
+    for c in cases:
+        assert len(c.full) <= spec.budget + 4 and c.directives
+        new = list(c.full)
+        for d in reversed(c.directives):  # applying the directives gives the edited turn
+            new[d.start : d.end] = d.replacement
+        assert new == c.edited
