@@ -46,7 +46,9 @@ def main() -> None:
     renderer = load_renderer()
     _ = renderer.incremental_checks
     core = SessionCore(
-        LeylineClient("http://127.0.0.1:9"), ConversationWrapper(renderer, args.policy)
+        # NOTE: no backend at this address; gateway=False: not asked (unreachable: every turn)
+        LeylineClient("http://127.0.0.1:9", gateway=False),
+        ConversationWrapper(renderer, args.policy),
     )
     rng = random.Random(0)
     messages: list[dict] = [
