@@ -1,6 +1,6 @@
 """Server settings a splice cannot be made right on are refused with 501 before any change
-(issue 27): HiCache (``--enable-hierarchical-cache``) and speculative decoding (EAGLE/MTP draft
-pools). At the preflight level, in process: a real ``LeylineRadixCache`` on a real SGLang
+(issue 27): HiCache (``--enable-hierarchical-cache``), speculative decoding (EAGLE/MTP draft
+pools) and LoRA (``--enable-lora``: the replacement would be prefilled without the adapter). At the preflight level, in process: a real ``LeylineRadixCache`` on a real SGLang
 allocator and SGLang's own ``SpeculativeAlgorithm``, under a stand-in scheduler object (a real
 ``Scheduler`` needs a whole server, and neither setting runs on this CPU-only machine)."""
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.sglang
 class StandInScheduler:
     """Only what preflight reads before its refusals; a refusal must come before the rest."""
 
-    def __init__(self, spec: str = "NONE", hicache: bool = False) -> None:
+    def __init__(self, spec: str = "NONE", hicache: bool = False, lora: bool = False) -> None:
         alloc = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", None, need_sort=False)
         self.tree_cache = LeylineRadixCache(
             CacheInitParams(
@@ -41,6 +41,7 @@ class StandInScheduler:
         self.token_to_kv_pool_allocator = alloc
         self.spec_algorithm = SpeculativeAlgorithm.from_string(spec)
         self.enable_hierarchical_cache = hicache
+        self.enable_lora = lora
 
 
 def cache_one(s: StandInScheduler) -> list[int]:
@@ -51,18 +52,19 @@ def cache_one(s: StandInScheduler) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("spec", "hicache", "reason"),
+    ("spec", "hicache", "lora", "reason"),
     [
-        ("EAGLE", False, "speculative decoding (EAGLE)"),
-        ("EAGLE3", False, "speculative decoding (EAGLE3)"),
-        ("STANDALONE", False, "speculative decoding (STANDALONE)"),
-        ("NONE", True, "--enable-hierarchical-cache"),
+        ("EAGLE", False, False, "speculative decoding (EAGLE)"),
+        ("EAGLE3", False, False, "speculative decoding (EAGLE3)"),
+        ("STANDALONE", False, False, "speculative decoding (STANDALONE)"),
+        ("NONE", True, False, "--enable-hierarchical-cache"),
+        ("NONE", False, True, "--enable-lora"),
     ],
 )
 def test_splice_and_fork_refused_with_501_before_any_change(
-    spec: str, hicache: bool, reason: str
+    spec: str, hicache: bool, lora: bool, reason: str
 ) -> None:
-    s = StandInScheduler(spec, hicache)
+    s = StandInScheduler(spec, hicache, lora)
     toks = cache_one(s)
     free, evictable = s.token_to_kv_pool_allocator.available_size(), s.tree_cache.evictable_size()
     ex = SpliceExecutor(s)  # type: ignore[arg-type]

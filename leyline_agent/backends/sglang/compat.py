@@ -108,7 +108,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "req_to_token_pool", "model_config", "tp_worker", "run_batch", "running_batch",
         "waiting_queue", "spec_algorithm", "get_next_batch_to_run", "max_req_input_len",
         "chunked_req", "last_batch", "enable_overlap", "grammar_manager", "is_fully_idle",
-        "enable_hierarchical_cache",
+        "enable_hierarchical_cache", "enable_lora",
     ),
     "tokenizer_control_mixin": ("_COMMUNICATOR_SPECS",),
     "http_server": ("app", "get_global_state"),
