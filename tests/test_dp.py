@@ -97,6 +97,8 @@ def test_merge_stats():
     assert m["dp_size"] == 2 and m["dp_workers"] == [w0, w1]
     assert merge_stats([w0, {**w1, "ok": False}])["ok"] is False
     assert merge_stats([w0, w0])["ok"] is True
+    one = merge_stats([{**w0, "busy": []}, {**w1, "busy": ["running_batch", "chunked_req"]}])
+    assert one["busy"] == ["chunked_req", "running_batch"]  # any rank's busy state, once
 
 
 def test_cpu_rank_count_and_threads_bind():

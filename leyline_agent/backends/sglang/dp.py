@@ -101,7 +101,8 @@ _ALL = ("idle", "sglang_idle_check")
 
 def merge_stats(per_worker: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """``/leyline/stats`` over DP workers (rank order): one worker's stats unchanged; several:
-    counters summed, ``idle``/``sglang_idle_check`` true when true on every rank, ``ok`` False if
+    counters summed, ``idle``/``sglang_idle_check`` true when true on every rank, ``busy`` the
+    union of the ranks' busy states, ``ok`` False if
     any rank is False, else None if any is None, else True; each rank's own under ``dp_workers``."""
     if len(per_worker) == 1:
         return dict(per_worker[0])
@@ -113,6 +114,8 @@ def merge_stats(per_worker: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for k in _ALL:
         if any(k in w for w in per_worker):
             out[k] = all(bool(w.get(k)) for w in per_worker)
+    if any("busy" in w for w in per_worker):  # the busy states of any rank (busy.py)
+        out["busy"] = sorted({b for w in per_worker for b in w.get("busy") or []})
     oks = [w.get("ok") for w in per_worker]
     if any("ok" in w for w in per_worker):
         out["ok"] = False if False in oks else (None if None in oks else True)
