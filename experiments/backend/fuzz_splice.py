@@ -1,6 +1,7 @@
 """Seeded splice fuzzing against a real ``leyline serve`` with a small pool (issue 11).
 
     python experiments/backend/fuzz_splice.py --ops 10000 --pool 1536 --seeds 1
+    python experiments/backend/fuzz_splice.py --ops 10000 --pool 2048 --page-size 16
 
 Starts a server (embedded default, debug endpoints, ``--max-total-tokens POOL``) unless
 ``--backend URL`` is given, runs ``SpliceFuzzer`` (``leyline_agent/testing/splice_fuzz.py``) and
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--max-reply", type=int, default=16, help="longest generated reply")
     ap.add_argument("--check-rows-every", type=int, default=10)
     ap.add_argument("--backend", type=str, default=None, help="URL of a running server")
+    ap.add_argument("--page-size", type=int, default=1, help="the server's --page-size")
     ap.add_argument("--out", type=Path, default=Path("runs/fuzz_splice"))
     args = ap.parse_args()
 
@@ -39,7 +41,11 @@ def main() -> int:
     srv = None
     url = args.backend
     if url is None:
-        srv = EmbeddedServer(max_total_tokens=args.pool, env={"LEYLINE_DEBUG_ENDPOINTS": "1"})
+        srv = EmbeddedServer(
+            max_total_tokens=args.pool,
+            env={"LEYLINE_DEBUG_ENDPOINTS": "1"},
+            extra_args=["--page-size", str(args.page_size)] if args.page_size > 1 else [],
+        )
         url = srv.start().url
     results, failed = [], None
     t0 = time.perf_counter()
@@ -51,6 +57,7 @@ def main() -> int:
                 config=EMBEDDED_CONFIG,
                 check_rows_every=args.check_rows_every,
                 max_reply=args.max_reply,
+                page=args.page_size,
             )
             t = time.perf_counter()
 
@@ -76,6 +83,7 @@ def main() -> int:
         "ops": sum(r["steps"] for r in results),
         "failed": failed,
         "pool": args.pool,
+        "page_size": args.page_size,
         "seconds": round(time.perf_counter() - t0, 1),
         "runs": results,
     }

@@ -7,7 +7,8 @@ Used by ``tests/test_splice_integrity.py`` (a short run in CI) and by
 Operations: generate with a reply of random length (the reply stays cached below the prompt, so
 in-place splices take it over), splices with 1–4 AMORTIZE/FORGET directives, flushes, and
 requests in other namespaces. After every step ``/leyline/stats`` must hold the idle invariants
-(see ``backends/sglang/integrity.py``). On a sample of successful splices the KV rows are checked:
+(see ``backends/sglang/integrity.py``). ``page``: the server's ``--page-size`` (its tree holds full
+pages only; the checks compare what it holds). On a sample of successful splices the KV rows are checked:
 latent (``c_kv``) bit-identical to its source rows, ``k_pe`` within 1 bf16 ulp of the exact
 rotation to its new position.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from leyline_agent.backends.sglang.paged_plan import clip
 from leyline_agent.directive import Directive, Mode, apply_directives
 from leyline_agent.kernels.rope import RopeSpec
 from leyline_agent.testing.invariants import check_rows, idle_invariants_hold, idle_stats
@@ -59,8 +61,10 @@ class SpliceFuzzer:
         config: dict[str, Any],
         check_rows_every: int = 5,
         max_reply: int = 24,
+        page: int = 1,
     ):
         self.max_reply = max_reply
+        self.page = page  # the server's --page-size: its tree holds full pages only
         self.http = httpx.Client(base_url=base_url, timeout=600)
         self.rng = random.Random(seed)
         self.report = FuzzReport(seed=seed)
@@ -144,11 +148,16 @@ class SpliceFuzzer:
         if r.status_code == 200:
             new = apply_directives(toks, ds)
             self.live[key] = new
-            if check and before is not None and before["cached"] == n:
+            held = n // self.page * self.page
+            if check and before is not None and before["cached"] == held:
                 after = self._rows(new, key)
-                if after["cached"] != len(new):
+                # a paged tree holds the edit of its full pages (paged_plan.clip), in full pages
+                kept = clip(sorted(ds, key=lambda d: d.start), held, n)
+                expect = len(apply_directives(toks[:held], kept) if kept else toks[:held])
+                if after["cached"] != expect // self.page * self.page:
                     raise InvariantBroken(
-                        f"spliced sequence: {after['cached']} of {len(new)} cached"
+                        f"spliced sequence: {after['cached']} of {len(new)} cached (page "
+                        f"{self.page}: {expect // self.page * self.page} expected)"
                     )
                 self.report.rows_checked += check_rows(before, after, ds, self.lora, self.spec)
         elif r.status_code in (409, 503):

@@ -137,11 +137,9 @@ class Ledger:
 
     def rollback(self) -> None:
         """Free everything owned, drop the lock. Idempotent."""
-        alloc = self.tree.token_to_kv_pool_allocator
-        for t in self.fresh:
-            if t.numel():
-                alloc.free(t)
-        if self.detached is not None and self.detached.numel():
-            alloc.free(self.detached)
+        from leyline_agent.backends.sglang.paged import release
+
+        # one free per page on paged pools (a replacement prefill's page may be in two entries)
+        release(self.tree.token_to_kv_pool_allocator, [*self.fresh, self.detached])
         self.release_to_tree()
         self.unlock()

@@ -1,7 +1,7 @@
 """What a splice checks before its first lock or allocation, and the refusals it answers with.
 
 ``Served`` resolves, once per scheduler, what the server must offer for a splice (the Leyline
-radix cache with page size 1, a KV pool ``kv_layout`` knows, a RoPE ``served_rope`` can reproduce)
+radix cache (any page size: ``paged_plan.py``), a KV pool ``kv_layout`` knows, a RoPE ``served_rope`` can reproduce)
 and checks each request's token ids; ``check_forget_span`` and ``check_capacity`` run under the
 splice's lock. Every refusal is a :class:`SpliceError` (``errors.py``) carrying its HTTP status
 and changes nothing.
@@ -46,8 +46,6 @@ class Served:
                 f"the server's radix cache is {type(tree).__name__}; splices need "
                 "'--radix-cache-backend leyline' (leyline serve sets it)",
             )
-        if tree.page_size != 1:
-            raise SpliceError(501, f"splices need --page-size 1 (server has {tree.page_size})")
         return tree
 
     def kv_buffers(self) -> KVLayout:

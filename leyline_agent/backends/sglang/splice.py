@@ -60,6 +60,8 @@ from pydantic import BaseModel, ValidationError
 
 from leyline_agent.backends.sglang.errors import SpliceError, debug_enabled
 from leyline_agent.backends.sglang.ledger import FaultInjector, InjectedFault, Ledger, Timer
+from leyline_agent.backends.sglang.paged import fresh_slots, purge_tail
+from leyline_agent.backends.sglang.paged_plan import PagedPlan, plan_paged
 from leyline_agent.backends.sglang.plan import (
     Copy,
     Keep,
@@ -159,6 +161,8 @@ class SpliceExecutor:
         from leyline_agent.backends.sglang.compat import MatchPrefixParams, RadixKey
 
         tree = self.served.tree
+        if tree.page_size != 1:
+            raise SpliceError(501, f"pins need --page-size 1 (server has {tree.page_size})")
         self.served.check_tokens(req.tokens)
         key = RadixKey(array("q", req.tokens), req.extra_key, cache_salt=req.cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key))
@@ -201,11 +205,16 @@ class SpliceExecutor:
 
         key = RadixKey(array("q", req.tokens), req.extra_key, cache_salt=req.cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key))
-        cached = int(match.device_prefix_len)
-        check_cached(req, cached, op)
+        cached, page = int(match.device_prefix_len), tree.page_size
+        # a paged tree holds full pages only: all of them cached is all of it (paged_plan.py)
+        check_cached(
+            req,
+            cached if not cached or cached < len(req.tokens) // page * page else len(req.tokens),
+            op,
+        )
         last_node = match.last_device_node
         old_slots = tree.path_device_indices(last_node)[:cached].to(torch.int64)
-        first = ordered[0].start if ordered else len(req.tokens)
+        first = min(ordered[0].start if ordered else len(req.tokens), cached) // page * page
         ledger = Ledger(tree)
         try:
             ledger.lock(last_node)
@@ -222,9 +231,16 @@ class SpliceExecutor:
                 in_place = extension is not None and tree.chain_is_exclusive(
                     chain + extension, own_locks=1
                 )
-            plan = plan_splice(req.tokens, ordered, in_place=in_place, copy_prefix=req.crosses)
-            if plan.forget_at is not None:
-                check_forget_span(tree, last_node, plan.forget_at, ledger)
+            plan = (
+                plan_splice(req.tokens, ordered, in_place=in_place, copy_prefix=req.crosses)
+                if page == 1
+                else plan_paged(
+                    req.tokens, ordered, held=cached, page=page, in_place=in_place,
+                    copy_prefix=req.crosses,
+                )
+            )  # fmt: skip
+            if plan.purge is not None:
+                check_forget_span(tree, last_node, plan.purge.old, ledger)
             check_capacity(tree, plan.needed_slots)
             new_slots = self._phase1(req, plan, old_slots, ledger, fault, timer)
             fault("commit")
@@ -246,7 +262,7 @@ class SpliceExecutor:
         timings["tree"] = max(0.0, timings.pop("tree", 0.0) - timings.get("rotate_tail", 0.0))
         timings["rotate"] = timings.pop("rotate", 0.0) + timings.pop("rotate_tail", 0.0)
         return SpliceResponse(
-            new_length=len(plan.new_tokens),
+            new_length=plan.full_length if isinstance(plan, PagedPlan) else len(plan.new_tokens),
             prefix_reused=first,
             prefilled=plan.prefilled,
             rotated=plan.rotated,
@@ -279,7 +295,7 @@ class SpliceExecutor:
             if isinstance(op, Keep):
                 parts.append(old_slots[op.old.start : op.old.stop])
             elif isinstance(op, Copy) and op.old:
-                dst = ledger.alloc(len(op.old), fault)
+                dst = self._fresh(parts, op.new.start, len(op.old), ledger, fault)
                 with timer("rotate"):
                     self._copy(old_slots[op.old.start : op.old.stop], dst)
                 parts.append(dst)
@@ -294,7 +310,7 @@ class SpliceExecutor:
             elif isinstance(op, Rotate) and op.in_place:
                 parts.append(old_slots[op.old.start : op.old.stop])  # rotated in the commit
             elif isinstance(op, Rotate):
-                dst = ledger.alloc(len(op.old), fault)
+                dst = self._fresh(parts, op.new.start, len(op.old), ledger, fault)
                 fault("rotate")
                 with timer("rotate"):
                     self._rotate(old_slots[op.old.start : op.old.stop], dst, op.old, op.delta)
@@ -303,6 +319,14 @@ class SpliceExecutor:
         if new_slots.numel() != len(plan.new_tokens):
             raise SpliceError(500, "internal: slot plan does not cover the new sequence")
         return new_slots
+
+    def _fresh(
+        self, parts: list[torch.Tensor], start: int, n: int, ledger: Ledger, fault: FaultInjector
+    ) -> torch.Tensor:
+        """Fresh slots for new positions ``[start, start + n)`` after ``parts`` (``paged.py``)."""
+        page = self.served.tree.page_size
+        last = next((int(p[-1]) for p in reversed(parts) if p.numel()), None)
+        return fresh_slots(lambda k: ledger.alloc(k, fault), page, last, start, n)
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rows ``src`` copied to ``dst`` bit for bit, in every per-layer buffer."""
@@ -348,6 +372,8 @@ class SpliceExecutor:
         tree = self.served.tree
         ledger.unlock()
         purged, dropped, first, cached = 0, None, plan.first, int(old_slots.numel())
+        if isinstance(plan, PagedPlan) and plan.forget_tail:  # paged.py
+            purged += purge_tail(tree, last_node, plan.forget_tail)
         if plan.purge is not None:  # the chain from `first` up to forget_at stays for others
             f_parent, f_chain = tree.chain_from(last_node, plan.purge.old)
             if f_chain:
@@ -382,7 +408,8 @@ class SpliceExecutor:
         dup = new_slots[own_from : max(own_from, int(result.prefix_len))]
         self.duplicates = int(dup.numel())  # what the target already held (a fork's rerun)
         self.freed = 0
-        for t in (dup, dropped):
+        partial = new_slots[len(plan.new_tokens) // tree.page_size * tree.page_size :]
+        for t in (dup, dropped, partial):  # partial: a paged tree holds full pages only
             if t is not None and t.numel():
                 tree.token_to_kv_pool_allocator.free(t)
                 self.freed += int(t.numel())
