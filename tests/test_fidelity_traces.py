@@ -25,11 +25,13 @@ def test_wilson_interval() -> None:
 def test_kl_from_top_k() -> None:
     p = {1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.1)}
     assert tf.kl(p, p) == pytest.approx(0.0, abs=1e-12)
+    top2 = {1: math.log(0.5), 2: math.log(0.25)}  # a top-k with mass outside it: renormalised
+    assert tf.kl(top2, {1: math.log(0.4), 2: math.log(0.2)}) == pytest.approx(0.0, abs=1e-12)
     q = {1: math.log(0.2), 2: math.log(0.7), 3: math.log(0.1)}
     want = 0.7 * math.log(0.7 / 0.2) + 0.2 * math.log(0.2 / 0.7)
     assert tf.kl(p, q) == pytest.approx(want)
     # tokens missing from q's top-k get q's smallest listed logprob
-    floor = 0.7 * math.log(0.7 / 0.5) + 0.2 * math.log(0.2 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    floor = sum(x * math.log(x * 3) for x in (0.7, 0.2, 0.1))  # q: 1/3 each over p's tokens
     assert tf.kl(p, {1: math.log(0.5)}) == pytest.approx(floor)
 
 

@@ -19,7 +19,8 @@ rendered as is, ``edited`` the policy's version; the directives are the token re
 Reported with Wilson 95% intervals: AMORTIZE's first token and first ``new_tokens`` tokens equal
 the full context's; FORGET's equal to the fresh prefill's; AMORTIZE's first token equal to
 FORGET's; KL(full || AMORTIZE) and KL(full || FORGET) on the first position from the top-k
-logprobs (tokens outside the other's top-k get its k-th logprob: a lower bound's stand-in).
+logprobs (over the full context's top-k, both renormalised there; a token outside the other's
+top-k gets its smallest listed logprob).
 """
 
 from __future__ import annotations
@@ -138,13 +139,15 @@ def _first(res: Any) -> dict[int, float]:
 
 
 def kl(p: Mapping[int, float], q: Mapping[int, float]) -> float:
-    """KL(p || q) in nats over p's top-k (renormalised); a token missing from q's top-k gets q's
-    smallest listed logprob."""
+    """KL(p || q) in nats over p's top-k tokens, both renormalised over that set; a token
+    missing from q's top-k gets q's smallest listed logprob."""
     if not p or not q:
         return float("nan")
     floor = min(q.values())
-    z = math.log(sum(math.exp(v) for v in p.values()))
-    return sum(math.exp(v - z) * ((v - z) - q.get(t, floor)) for t, v in p.items())
+    qs = {t: q.get(t, floor) for t in p}
+    zp = math.log(sum(math.exp(v) for v in p.values()))
+    zq = math.log(sum(math.exp(v) for v in qs.values()))
+    return sum(math.exp(v - zp) * ((v - zp) - (qs[t] - zq)) for t, v in p.items())
 
 
 def run_case(client: Any, case: Case, spec: TraceFidelitySpec) -> dict[str, Any]:
