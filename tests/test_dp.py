@@ -5,6 +5,7 @@ merging stats (``backends/sglang/dp.py``; pure, no server), and live against its
 from __future__ import annotations
 
 import collections
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from live import gen, seq
 from requires import require_sglang
 
+from leyline_agent import inband
 from leyline_agent.backends.sglang.dp import (
     NOT_MINE,
     Reply,
@@ -281,3 +283,31 @@ def test_dp2_chat_requests_are_pinned(dp_server: str) -> None:
         assert r.status_code == 200, r.text
         after = [w["cached"] for w in c.get("/leyline/stats").json()["dp_workers"]]
         assert after[rank] > before[rank] + 40 and after[1 - rank] == before[1 - rank]
+
+
+@pytest.mark.sglang
+@pytest.mark.live
+def test_dp2_in_band_edit_runs_on_the_rank_the_request_goes_to(dp_server: str) -> None:
+    """Issue 28: the ``leyline_splice`` field on ``/generate`` splices on the request's own DP rank
+    (its namespace's home rank, or the ``routed_dp_rank`` it names), then the request reads it."""
+    c = httpx.Client(base_url=dp_server, timeout=600)
+    base = seq(120, seed=11)
+    edit = {"tokens": base, "directives": DIRECTIVES}
+    for rank in (0, 1):
+        key = namespace_on(rank, "inband")
+        gen(c, base, key)
+        r = c.post("/generate", json={
+            "input_ids": edited(base) + [500], "extra_key": key, inband.FIELD: edit,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        })  # fmt: skip
+        assert r.status_code == 200, r.text
+        result = json.loads(r.headers[inband.RESULT_HEADER])
+        assert result["dp_rank"] == rank and result["new_length"] == len(edited(base))
+        assert r.json()["meta_info"]["cached_tokens"] == len(edited(base))
+        # pinned by hand to the other rank, which does not hold it: refused there, not run
+        other = c.post("/generate", json={
+            "input_ids": edited(edited(base)) + [500], "extra_key": key,
+            "routed_dp_rank": 1 - rank, "sampling_params": {"max_new_tokens": 1},
+            inband.FIELD: {"tokens": edited(base), "directives": DIRECTIVES},
+        })  # fmt: skip
+        assert other.status_code == 409 and other.headers[inband.REFUSED_HEADER] == "409"
