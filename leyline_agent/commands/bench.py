@@ -177,6 +177,12 @@ def splice(
     out: Annotated[Path, out_option()] = Path("runs/bench_splice"),
     seed: Annotated[int, typer.Option(help="seeds the token ids")] = 0,
     model: ModelName = None,
+    page_size: Annotated[
+        int,
+        typer.Option(
+            min=1, help="--page-size of the server it starts (KV pages; not with --backend)"
+        ),
+    ] = 1,
 ) -> None:
     """Engine-level latency of an edit near the start of a long cached sequence.
 
@@ -206,6 +212,8 @@ def splice(
     except (ValidationError, ValueError) as e:
         raise typer.BadParameter(str(e)) from e
 
+    if backend is not None and page_size > 1:
+        raise typer.BadParameter("--page-size is for the server this command starts, not --backend")
     server = None
     model_path = served_model(model, None)
     if backend is None:
@@ -215,7 +223,10 @@ def splice(
         pool = max(pool_tokens(model_path), 4 * (max(spec.lengths) + 1024))
         _err(f"starting `leyline serve` (pool {pool:,} tokens; CPU: about a minute)")
         try:
-            server = EmbeddedServer(model_path=model_path, max_total_tokens=pool).start()
+            paged = ["--page-size", str(page_size)] if page_size > 1 else []
+            server = EmbeddedServer(
+                model_path=model_path, max_total_tokens=pool, extra_args=paged
+            ).start()
         except ServerError as e:
             _err(str(e))
             raise typer.Exit(1) from e
@@ -229,6 +240,8 @@ def splice(
     try:
         trials = sb.run(spec, client, probe=probe, log=_err)
         backend_info = {"url": backend, "started_here": server is not None}
+        if server is not None:
+            backend_info["page_size"] = page_size
     except (SpliceRejected, httpx.HTTPError) as e:
         _err(f"backend {backend} failed: {type(e).__name__}: {e}")
         raise typer.Exit(1) from e
