@@ -13,9 +13,11 @@ import typer
 from leyline_agent.commands.options import (
     Arms,
     ArmsPolicy,
+    ModelName,
     ServedModelPath,
     backend_key_option,
     csv,
+    served_model,
     spec_default,
 )
 from leyline_agent.commands.progress import progress_bar
@@ -64,6 +66,7 @@ def replay(
         int | None, typer.Option(min=1, help="replay only the first N turns of each trace")
     ] = None,
     model_path: ServedModelPath = None,
+    model: ModelName = None,
     seed: Annotated[int, typer.Option(help="seeds the session submission order")] = spec_default(
         ReplaySpec, "seed"
     ),
@@ -131,6 +134,7 @@ def replay(
     from leyline_agent.traces import TraceFormatError, load
 
     err = Console(stderr=True)
+    model_path = served_model(model, model_path)
     paths = list(traces or [])
     if examples or not paths:
         paths.append(examples_dir())
@@ -174,13 +178,10 @@ def replay(
     server = None
     urls = list(backend or [])
     if not urls:
-        from leyline_agent.backends.sglang.launch import (
-            DEFAULT_MAX_TOTAL_TOKENS,
-            EmbeddedServer,
-            ServerError,
-        )
+        from leyline_agent.backends.sglang.launch import EmbeddedServer, ServerError
+        from leyline_agent.models.registry import pool_tokens
 
-        server = EmbeddedServer(model_path=model_path, max_total_tokens=DEFAULT_MAX_TOTAL_TOKENS)
+        server = EmbeddedServer(model_path=model_path, max_total_tokens=pool_tokens(model_path))
         try:
             start_server(server, err, verbose=verbose)
         except ServerError as e:
