@@ -324,12 +324,17 @@ def test_cache_salt_is_one_namespace_for_the_chat_request_and_the_splice() -> No
     # exact KV shared until the first splice, which builds the session's own path; then own
     first = keys.index(own)
     assert first > 0 and keys == [shared] * first + [own] * (len(keys) - first)
-    assert client.splices[0] == {
-        "extra_key": shared, "cache_salt": "salt-1", "target_extra_key": own
-    }  # fmt: skip
-    assert len(client.splices) > 1 and all(
-        kw == {"extra_key": own, "cache_salt": "salt-1", "target_extra_key": None}
-        for kw in client.splices[1:]
+    where = [
+        {k: kw[k] for k in ("extra_key", "cache_salt", "target_extra_key")} for kw in client.splices
+    ]
+    assert where[0] == {"extra_key": shared, "cache_salt": "salt-1", "target_extra_key": own}
+    assert len(where) > 1 and all(
+        w == {"extra_key": own, "cache_salt": "salt-1", "target_extra_key": None} for w in where[1:]
+    )
+    # every splice is versioned (issue 27 part 5): the state it was planned on, a key of its own
+    keys_sent = [kw["idempotency_key"] for kw in client.splices]
+    assert all(kw["expected_state"] for kw in client.splices) and len(set(keys_sent)) == len(
+        keys_sent
     )
     core.set_cache_salt("salt-2")  # another namespace: nothing of salt-1 is reachable there
     assert core.wrapper.tokens == [] and core.placement.salt == "salt-2"
