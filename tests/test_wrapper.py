@@ -371,3 +371,25 @@ def test_template_edits_to_several_messages_stay_apart_whatever_the_spans(
         assert apply_directives(old.tokens, d.directives) + d.tail == tokens
     finally:
         diff_module.MAX_CELLS = small
+
+
+@pytest.mark.parametrize(
+    ("policy", "renders"),
+    [
+        ("none", [6]),
+        ("stale_tool_outputs:keep_last=1", [6]),
+        ("token_budget:max_tokens=50", [6, 6]),
+    ],
+)
+def test_incoming_list_is_rendered_only_when_sent_or_counted(
+    renderer: Renderer, policy: str, renders: list[int]
+) -> None:
+    """A policy that edits without reading token counts (stale_tool_outputs) costs one render,
+    of the edited list; one that reads them (token_budget) also renders the incoming list."""
+    w = ConversationWrapper(renderer, policy)
+    inner, rendered = w._render, []
+    w._render = lambda m, t=None: rendered.append(len(m)) or inner(m, t)  # type: ignore[method-assign]
+    plan = w.plan(conversation(2))
+    assert rendered == renders
+    assert plan.tokens == renderer.render(plan.messages).tokens
+    assert (plan.edits != []) == (policy != "none")
