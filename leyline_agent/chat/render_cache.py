@@ -139,7 +139,7 @@ class IncrementalRenderer:
                 found, need, pos = best.found[:start], best.need[:start], best.pos[: start + 1]
         else:
             text, raw = full_text(self.renderer, messages, tools, add_generation_prompt)
-        tokens, starts, cuts = self._encode(text, best)
+        tokens, starts, cuts, same = self._encode(text, best)
         at = pos[-1]
         for f in content_positions(messages[start:], text, at):
             found.append(f)
@@ -148,7 +148,10 @@ class IncrementalRenderer:
             pos.append(at)
         bounds = [*best.bounds[:start], *raw[start:]] if best is not None and start else list(raw)
         clamp_bounds(bounds, found, len(text), start)
-        cut = [starts.bisect_left(b) for b in bounds]
+        # NOTE: a boundary kept from ``best`` inside the reused tokens starts best's span there
+        k = bisect_right(bounds, same, 0, start) if best is not None and start else 0
+        cut = [a for a, _ in best.rendered.spans[:k]] if best is not None else []
+        cut += [starts.bisect_left(b) for b in bounds[len(cut) :]]
         rendered = Rendered(tokens, list(zip(cut, cut[1:], strict=False)), text)
         kept = best.messages[:m] if best is not None and m > 0 else []
         if head:
@@ -203,8 +206,9 @@ class IncrementalRenderer:
             and head_local(self.renderer)
         )
 
-    def _encode(self, text: str, base: RenderState | None) -> tuple[list[int], Starts, list[int]]:
-        """Token ids, token starts and cut points of ``text``: ``base``'s ids up to the last cut
+    def _encode(self, text: str, base: RenderState | None) -> tuple[list[int], Starts, list, int]:
+        """Token ids, token starts and cut points of ``text``, and the characters at its start
+        whose tokens are ``base``'s (the same ids and starts): ``base``'s ids up to the last cut
         inside the text both agree on, then piece by piece (a piece ends after a special token),
         each piece's ids remembered. A long first piece is re-tokenized from ``base``'s around the
         change (``resplice``), and where the texts agree again after it (a first message changed
@@ -221,7 +225,7 @@ class IncrementalRenderer:
                 p = base.starts[i] if i < len(base.starts) else len(base.text)
                 tokens, cuts = base.tokens[:i], base.cuts[:j]
                 segs = list(base.starts.slice(0, i).segs)
-        first = True
+        same, first = p, True
         while True:
             m = splitter.search(text, p) if splitter else None
             end = m.end() if m is not None else len(text)
@@ -258,7 +262,7 @@ class IncrementalRenderer:
             first = False
             p = end
             if p >= len(text):
-                return tokens, Starts(segs), cuts
+                return tokens, Starts(segs), cuts, same
 
     @staticmethod
     def _reusable(base: RenderState, at: int, lo: int, agree: int) -> int:
