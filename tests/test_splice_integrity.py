@@ -103,9 +103,22 @@ def test_pool_too_small_is_refused_before_any_change(http: httpx.Client) -> None
     toks = seq(700, 4)
     gen(http, toks, key)
     before, st0 = rows(http, toks, key), stats(http)
+    # 1,099 tokens in a 1,024-slot pool is past the server's input limit: refused first (400)
     r = splice(http, toks, [{"start": 5, "end": 6, "replacement": seq(400, 5)}], key)
-    assert r.status_code == 503 and "too small" in r.json()["error"]
+    assert r.status_code == 400 and "context" in r.text, r.text
     assert rows(http, toks, key) == before and stats(http) == st0
+    # within the limit, but a pinned path is copied, not edited in place: 100 + 494 slots
+    # needed, 1,024 - 500 free, nothing evictable
+    flush(http)
+    toks = seq(500, 6)
+    gen(http, toks, key)
+    pin = http.post("/leyline/pin", json={"tokens": toks, "extra_key": key, "ttl_s": 600})
+    assert pin.status_code == 200, pin.text
+    before, st0 = rows(http, toks, key), stats(http)
+    r = splice(http, toks, [{"start": 5, "end": 6, "replacement": seq(100, 5)}], key)
+    assert r.status_code == 503 and "too small" in r.json()["error"], r.text
+    assert rows(http, toks, key) == before and stats(http) == st0
+    assert http.post("/leyline/unpin", json={"pin_id": pin.json()["pin_id"]}).status_code == 200
 
 
 # (shape, fault points it reaches)
