@@ -204,7 +204,9 @@ BAD_CASES = {
     "start_after_end": ([{"start": 5, "end": 2, "replacement": [5]}], None, 422),
     "non_integer_token": ([{"start": 1, "end": 2, "replacement": ["a"]}], None, 422),
     "no_directives": ([], None, 422),
-    "pool_too_small": ([{"start": 1, "end": 2, "replacement": [7] * 20000}], None, 503),
+    # longer than the input limit (16,377 of the 16,384-slot pool): 400 before any allocation;
+    # the pool-too-small 503 within the limit: test_splice_integrity (a pinned path copied)
+    "longer_than_input_limit": ([{"start": 1, "end": 2, "replacement": [7] * 20000}], None, 400),
 }
 
 
