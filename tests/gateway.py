@@ -103,3 +103,8 @@ def routed(gateway_url: str, key: str) -> str:
     )
     r.raise_for_status()
     return r.headers[inband.WORKER_HEADER]
+
+
+def served(proxy: str) -> str:
+    """The served model name (the gateway routes chat requests by ``model``)."""
+    return str(httpx.get(f"{proxy}/v1/models", timeout=60).json()["data"][0]["id"])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx
 import openai
 import pytest
-from gateway import gateway, routed, worker_id, workers
+from gateway import gateway, routed, served, worker_id, workers
 from live import assert_integrity, stats
 from requires import require_sglang
 from test_proxy import serve_proxy
@@ -43,11 +43,6 @@ def fleet() -> Iterator[tuple[list[EmbeddedServer], str]]:
     require_sglang()
     with workers(2) as pair, gateway([s.url for s in pair]) as url:
         yield pair, url
-
-
-def served(proxy: str) -> str:
-    """The served model name (the gateway routes chat requests by ``model``)."""
-    return str(httpx.get(f"{proxy}/v1/models", timeout=60).json()["data"][0]["id"])
 
 
 def chat(proxy: str, name: str, messages: list[dict[str, Any]], model: str) -> None:

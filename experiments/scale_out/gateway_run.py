@@ -20,18 +20,13 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from gateway import gateway, routed, worker_id, workers  # noqa: E402
+from gateway import gateway, routed, served, worker_id, workers  # noqa: E402
 from test_proxy import serve_proxy  # noqa: E402
 
 from leyline_agent.proxy.identity import SessionKey  # noqa: E402
 from leyline_agent.testing.soak import TOOLS, turn_messages  # noqa: E402
 
 POLICY, TURNS, SESSIONS, KILL_AFTER = "stale_tool_outputs:keep_last=2", 6, 6, 4
-
-
-def served(proxy: str) -> str:
-    """The served model name (the gateway routes chat requests by ``model``)."""
-    return str(httpx.get(f"{proxy}/v1/models", timeout=60).json()["data"][0]["id"])
 
 
 def chat(proxy: str, name: str, messages: list[dict[str, Any]], model: str) -> None:

@@ -179,22 +179,7 @@ def check_forget(c: httpx.Client, n: int = 64, seed: int = 5) -> dict[str, Any]:
     spliced = rows(c, new, key)
     generate(c, new, fresh_key)
     fresh = rows(c, new, fresh_key)
-    m = min(spliced["cached"], fresh["cached"])
-    worst = 0.0
-    for field in ("values", "v_values"):
-        for layer in range(len(spliced.get(field, []))):
-            x = torch.tensor(spliced[field][layer])[:m]
-            y = torch.tensor(fresh[field][layer])[:m]
-            # the two prefills split the attention differently (prefix cached or not): bf16
-            # storage may round them apart by 2e-2; fp8 by one of its ulps
-            if "float8" in spliced["dtype"]:
-                unit = ulp(torch.maximum(x.abs(), y.abs()), spliced["dtype"])
-                bad = (x - y).abs() > unit + 1e-6
-                if bool(bad.any()):
-                    raise AssertionError(f"FORGET != fresh prefill by more than 1 ulp: {field}")
-            else:
-                torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
-            worst = max(worst, float((x - y).abs().max()))
+    m, worst = compare_to_fresh(spliced, fresh)
     return {"forget_rows": m, "forget_max_abs_diff": worst}
 
 
@@ -232,3 +217,33 @@ def run_all(c: httpx.Client) -> dict[str, Any]:
     for check in (check_amortize, check_forget, check_bad_input):
         out.update(check(c))
     return out
+
+
+def compare_to_fresh(spliced: dict[str, Any], fresh: dict[str, Any]) -> tuple[int, float]:
+    """Compare a FORGET's KV rows (``rows`` of the debug endpoint: ``values``/``v_values`` per
+    layer, ``dtype``) with a fresh prefill's over the tokens both hold.
+
+    Returns:
+        (rows compared, the largest absolute difference).
+
+    Raises:
+        AssertionError: bf16/fp32 rows more than 2e-2 apart (the two prefills split the attention
+        differently), fp8 rows more than one fp8 ulp apart.
+    """
+    m = min(spliced["cached"], fresh["cached"])
+    worst = 0.0
+    for field in ("values", "v_values"):
+        for layer in range(len(spliced.get(field, []))):
+            x = torch.tensor(spliced[field][layer])[:m]
+            y = torch.tensor(fresh[field][layer])[:m]
+            # the two prefills split the attention differently (prefix cached or not): bf16
+            # storage may round them apart by 2e-2; fp8 by one of its ulps
+            if "float8" in spliced["dtype"]:
+                unit = ulp(torch.maximum(x.abs(), y.abs()), spliced["dtype"])
+                bad = (x - y).abs() > unit + 1e-6
+                if bool(bad.any()):
+                    raise AssertionError(f"FORGET != fresh prefill by more than 1 ulp: {field}")
+            else:
+                torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+            worst = max(worst, float((x - y).abs().max()))
+    return m, worst

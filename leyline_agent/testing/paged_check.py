@@ -24,7 +24,16 @@ import torch
 from leyline_agent.directive import Directive, Mode, apply_directives
 from leyline_agent.kernels.rope import rotate
 from leyline_agent.testing.invariants import idle_invariants_hold, idle_stats
-from leyline_agent.testing.model_check import _heads, _ns, _seq, generate, rows, server_rope, splice
+from leyline_agent.testing.model_check import (
+    _heads,
+    _ns,
+    _seq,
+    compare_to_fresh,
+    generate,
+    rows,
+    server_rope,
+    splice,
+)
 from leyline_agent.testing.numerics import ulp
 
 
@@ -155,14 +164,7 @@ def check_forget(
     check_layout(spliced, page)
     generate(c, new, fresh_key)
     fresh = rows(c, new, fresh_key)
-    m = min(spliced["cached"], fresh["cached"])
-    worst = 0.0
-    for field in ("values", "v_values"):
-        for layer in range(len(spliced.get(field, []))):
-            x = torch.tensor(spliced[field][layer])[:m]
-            y = torch.tensor(fresh[field][layer])[:m]
-            torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
-            worst = max(worst, float((x - y).abs().max()))
+    m, worst = compare_to_fresh(spliced, fresh)
     st = idle_stats(c)
     if not idle_invariants_hold(st):
         raise AssertionError(f"integrity after FORGET: {st}")
