@@ -173,3 +173,27 @@ def test_serve_dry_run_with_model_name(converted: Path, monkeypatch: pytest.Monk
     assert argv[argv.index("--max-total-tokens") + 1] == "16384"  # two 8,192-token contexts
     bad = CliRunner().invoke(app, ["serve", "--model", "gpt-9", "--dry-run"])
     assert bad.exit_code == 2 and "unknown model 'gpt-9'" in bad.output
+
+
+def test_cpu_dtype_is_float32_for_a_real_model_without_bf16_units(
+    converted: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a CPU without bf16 matmul units a registered real model is served in float32 (bf16 is
+    emulated there: ~70x slower matmuls on this machine); the embedded default and any other
+    directory keep their own dtype; ``--dtype`` always wins."""
+    monkeypatch.setattr(registry, "cpu_has_bf16", lambda: False)
+    assert registry.cpu_dtype(converted) == "float32"
+    assert registry.cpu_dtype(None) is None
+    assert registry.cpu_dtype(tmp_path) is None  # not built here: no leyline-model.json
+    monkeypatch.setattr(registry, "cpu_has_bf16", lambda: True)
+    assert registry.cpu_dtype(converted) is None
+    monkeypatch.setattr(registry, "cpu_has_bf16", lambda: False)
+    monkeypatch.setenv("LEYLINE_CACHE", str(converted.parent.parent))
+    run = CliRunner().invoke
+    argv = run(app, ["serve", "--model", "smollm2-135m-instruct", "--dry-run"]).output.split()
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    argv = run(app, ["serve", "--model", "smollm2-135m-instruct", "--dtype", "bfloat16",
+                     "--dry-run"]).output.split()  # fmt: skip
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    argv = run(app, ["serve", "--dry-run"]).output.split()
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"  # the embedded default

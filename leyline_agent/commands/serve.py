@@ -30,7 +30,13 @@ def serve(
     model: ModelName = None,
     port: Port = 30000,
     host: Host = "127.0.0.1",
-    dtype: Annotated[str | None, typer.Option(help="KV/model dtype (SGLang --dtype).")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="KV/model dtype (SGLang --dtype). Default: the model's; on a CPU without bf16 "
+            "units, float32 for a registered real model (--model NAME)."
+        ),
+    ] = None,
     max_total_tokens: Annotated[
         int | None,
         typer.Option(
@@ -82,7 +88,7 @@ def serve(
     (SGLang's --served-model-name overrides it).
     """
     from leyline_agent.backends.sglang.launch import cuda_available, server_command
-    from leyline_agent.models.registry import pool_tokens
+    from leyline_agent.models.registry import cpu_dtype, pool_tokens
 
     cpu = not cuda_available()
     model_path = served_model(model, model_path)
@@ -95,6 +101,8 @@ def serve(
         dtype = dtype or "bfloat16"
     elif not (model_path / "config.json").is_file():
         raise typer.BadParameter(f"{model_path} has no config.json", param_hint="--model-path")
+    if cpu and dtype is None:
+        dtype = cpu_dtype(model_path)
     if cpu and max_total_tokens is None:
         max_total_tokens = pool_tokens(model_path)
     if cpu and max_running_requests is None:
