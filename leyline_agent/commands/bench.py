@@ -77,6 +77,24 @@ def fidelity(
     budget: Annotated[
         int, typer.Option(help="with --model: tokens each turn is fitted to (see docs/fidelity.md)")
     ] = 1536,
+    cap_chars: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="with --model: characters kept of each message (default 1200); repeat for one "
+            "set of cases per cap"
+        ),
+    ] = None,
+    rerun: Annotated[
+        Path | None,
+        typer.Option(help="with --model: run again only the cases of this cases.jsonl"),
+    ] = None,
+    composed: Annotated[
+        int,
+        typer.Option(
+            help="with --model: also this many sessions edited 1, 5 and 20 times in succession "
+            "(--n 0: only those; bench/fidelity/composed.py)"
+        ),
+    ] = 0,
 ) -> None:
     """The fidelity experiment (paper §4.3): full context vs AMORTIZE vs FORGET.
 
@@ -95,7 +113,12 @@ def fidelity(
         model_dir = served_model(model, model_path)
         if model_dir is None:
             raise typer.BadParameter("the embedded model has random weights", param_hint="--model")
-        summary = run_traces(model_dir, traces or [], out, n=n, budget=budget, backend=backend)
+        if dtype and len(dtype) > 1:
+            raise typer.BadParameter("with --model, give one --dtype", param_hint="--dtype")
+        summary = run_traces(
+            model_dir, traces or [], out, n=n, budget=budget, caps=cap_chars, backend=backend,
+            dtype=dtype[0] if dtype else None, rerun=rerun, composed=composed,
+        )  # fmt: skip
         typer.echo(json.dumps({"out": str(out), "model": model, "summary": summary}))
         return
 

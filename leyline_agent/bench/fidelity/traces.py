@@ -59,6 +59,7 @@ class Case:
     trace: str
     turn: int
     policy: str
+    cap: int
     full: list[int]
     edited: list[int]
     directives: list[Directive]
@@ -127,7 +128,7 @@ def cases(traces: Sequence[Any], renderer: Any, spec: TraceFidelitySpec) -> Iter
         ds = [Directive(start=a, end=b, replacement=tuple(edited[c:d])) for a, b, c, d in found]
         if not ds:
             continue
-        yield Case(trace.name, t, spec_policy, full, edited, ds)
+        yield Case(trace.name, t, spec_policy, spec.cap_chars, full, edited, ds)
         made += 1
         if made >= spec.n:
             return
@@ -165,7 +166,7 @@ def run_case(client: Any, case: Case, spec: TraceFidelitySpec) -> dict[str, Any]
     pf, pa, pg = _first(full), _first(amort), _first(forget)
     top = sorted(pf.values(), reverse=True)
     return {
-        "trace": case.trace, "turn": case.turn, "policy": case.policy,
+        "trace": case.trace, "turn": case.turn, "policy": case.policy, "cap": case.cap,
         "full_len": len(case.full),
         "edited_len": len(case.edited), "directives": len(case.directives),
         "removed": sum(x.end - x.start for x in case.directives),
