@@ -34,7 +34,7 @@ from leyline_agent.testing.model_check import (
     server_rope,
     splice,
 )
-from leyline_agent.testing.numerics import ulp
+from leyline_agent.testing.numerics import band_unit
 
 
 def check_layout(r: dict[str, Any], page: int) -> None:
@@ -96,11 +96,7 @@ def check_rows(before: dict[str, Any], after: dict[str, Any], ds: list[Directive
         ov = _heads(before["values"][layer]).double()[o][..., off : off + dim]
         got = _heads(after["values"][layer]).double()[j][..., off : off + dim]
         exact = rotate(ov, delta, spec)
-        # 1 ulp of the stored value; where a component cancels to near zero (|exact| ~ 1e-6 of
-        # its row's band), the fp32 rotation's own rounding (2^-22 of the band's norm) instead:
-        # measured at page 64, |exact| 1.4e-11 in a band of norm 5.1e-6 came out 1.68 ulps off
-        floor = ov.norm(dim=-1, keepdim=True) * 2.0**-22
-        unit = torch.maximum(ulp(exact, before["dtype"]), floor)
+        unit = band_unit(exact, ov, before["dtype"])  # 1 ulp, or the fp32 rotation's rounding
         err = (got - exact).abs()
         if not bool((err <= unit + 1e-30).all()):
             bad = int((err > unit + 1e-30).flatten(1).any(1).nonzero()[0])
