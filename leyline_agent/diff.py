@@ -24,6 +24,10 @@ Diff rule (``diff_rendered``):
    a message, the template re-rendered one) gets ``default_mode``.
 4. The result is verified; if it ever failed, one directive from the first differing token
    replaces the rest (``fallback``), which is exact by construction.
+
+Runs of tokens the caller knows equal (``known``: the incremental renderer copied them from the
+old prompt, ``IncrementalRenderer.copied``) are not compared again: the checks of steps 2-4 then
+cost what changed, not the prompt (a 60k-token slice and compare is a millisecond here).
 """
 
 from __future__ import annotations
@@ -81,16 +85,55 @@ def message_key(message: Mapping[str, Any]) -> Hashable:
     return _KEY_ENCODER.encode(message)
 
 
-def _edited(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
-    """``apply_directives(tokens, directives)``, by slices (same checks, same result)."""
-    out: list[int] = []
-    pos = 0
-    for d in sort_and_check(directives, len(tokens)):
-        out += tokens[pos : d.start]
-        out += d.replacement
-        pos = d.end
-    out += tokens[pos:]
-    return out
+Known = Sequence[tuple[int, int, int]]  # (old index, new index, count) of equal runs
+
+
+def _same(old: list[int], a: int, b: int, new: list[int], c: int, known: Known) -> bool:
+    """``old[a:b] == new[c:c + b - a]`` (``c + b - a <= len(new)``), comparing only what no
+    ``known`` run at the same offset holds."""
+    while a < b:
+        k = min(b - a, _known_prefix(known, a, c))
+        if k:
+            a, c = a + k, c + k
+            continue
+        nxt = min([o for o, j, n in known if a < o < b and o - a == j - c], default=b)
+        if old[a:nxt] != new[c : c + nxt - a]:
+            return False
+        a, c = nxt, c + nxt - a
+    return True
+
+
+def _known_prefix(known: Known, a: int, c: int) -> int:
+    """How many tokens from ``old[a]``/``new[c]`` on are known equal."""
+    return max([o + n - a for o, k, n in known if o <= a < o + n and a - o == c - k], default=0)
+
+
+def _known_suffix(known: Known, b: int, d: int) -> int:
+    """How many tokens before ``old[b]``/``new[d]`` are known equal."""
+    return max([b - o for o, k, n in known if o < b <= o + n and b - o == d - k], default=0)
+
+
+def _rebuilds(
+    old: list[int],
+    directives: Sequence[Directive],
+    tail: Sequence[int],
+    new: list[int],
+    known: Known,
+) -> bool:
+    """``apply_directives(old, directives) + tail == new`` (same checks), comparing only the kept
+    runs not ``known`` equal, the replacements and the tail."""
+    pos = at = 0
+    for start, end, r in [
+        (d.start, d.end, d.replacement) for d in sort_and_check(directives, len(old))
+    ] + [(len(old), len(old), ())]:
+        n = start - pos
+        if at + n > len(new) or not _same(old, pos, start, new, at, known):
+            return False
+        at += n
+        if r and tuple(new[at : at + len(r)]) != r:
+            return False
+        at, pos = at + len(r), end
+    return len(new) - at == len(tail) and new[at:] == list(tail)
 
 
 def align_messages(
@@ -101,19 +144,45 @@ def align_messages(
 ) -> list[Opcode]:
     """difflib opcodes between two message lists; messages appended after the last old one get
     their own trailing ``insert`` (a changed last message is paired with the first new one).
-    ``old_keys``/``new_keys``: the lists' ``message_key``s where already known."""
-    ops = difflib.SequenceMatcher(
-        None,
-        old_keys if old_keys is not None else [message_key(m) for m in old],
-        new_keys if new_keys is not None else [message_key(m) for m in new],
-        autojunk=False,
-    ).get_opcodes()
+    ``old_keys``/``new_keys``: the lists' ``message_key``s where already known.
+
+    Where every old message but at most one (not the last) is at the same index in ``new`` (a
+    turn that appends, stubs one output or rewrites the first message), the opcodes are read
+    off that (what difflib gives there too) and difflib is not run."""
+    ok = old_keys if old_keys is not None else [message_key(m) for m in old]
+    nk = new_keys if new_keys is not None else [message_key(m) for m in new]
+    ops = _index_aligned(ok, nk)
+    if ops is None:
+        ops = difflib.SequenceMatcher(None, ok, nk, autojunk=False).get_opcodes()
     if ops and ops[-1][0] == "replace" and ops[-1][2] == len(old):
         tag, i1, i2, j1, j2 = ops.pop()
         k = min(i2 - i1, j2 - j1)
         ops.append(("replace", i1, i2, j1, j1 + k))
         if j1 + k < j2:
             ops.append(("insert", i2, i2, j1 + k, j2))
+    return ops
+
+
+def _index_aligned(ok: Sequence[Hashable], nk: Sequence[Hashable]) -> list[Opcode] | None:
+    """Opcodes when ``nk`` holds ``ok`` at the same indices but for one message (not the last
+    old one), then appended ones; None otherwise (keys compared by identity first: O(messages)
+    pointer checks for keys carried over from the last turn)."""
+    n = len(ok)
+    if len(nk) < n:
+        return None
+    bad = -1
+    for i in range(n):
+        if ok[i] is not nk[i] and ok[i] != nk[i]:
+            if bad >= 0 or i == n - 1:
+                return None
+            bad = i
+    ops: list[Opcode] = []
+    runs = [(0, n)] if bad < 0 else [(0, bad), (bad, bad + 1), (bad + 1, n)]
+    for a, b in runs:
+        if a < b:
+            ops.append(("replace" if a == bad else "equal", a, b, a, b))
+    if len(nk) > n:
+        ops.append(("insert", n, n, n, len(nk)))
     return ops
 
 
@@ -137,6 +206,7 @@ def diff_rendered(
     tools_changed: bool = False,
     old_keys: Sequence[Hashable] | None = None,
     new_keys: Sequence[Hashable] | None = None,
+    known: Known = (),
 ) -> Diff:
     """The minimal directives that turn the old prompt into the new one's prefix, plus the tail.
 
@@ -153,6 +223,8 @@ def diff_rendered(
         tools_changed: the tool schemas changed, so unchanged messages may render differently
             (the tools block) without that being a fallback.
         old_keys, new_keys: the lists' ``message_key``s where already known.
+        known: runs ``(i, j, n)`` with ``old[i:i + n] == new.tokens[j:j + n]`` known to the
+            caller (not compared again; see module docstring).
 
     Returns:
         ``Diff`` with ``apply_directives(old_tokens, directives) + tail == new.tokens``.
@@ -168,7 +240,7 @@ def diff_rendered(
 
     def add(a: int, b: int, c: int, d: int, mode: Mode | None, same_messages: bool) -> None:
         nonlocal fallback
-        if mode is None and old_tokens[a:b] != N[c:d]:
+        if mode is None and (b - a != d - c or not _same(old_tokens, a, b, N, c, known)):
             mode, fallback = default_mode, fallback or (same_messages and not tools_changed)
         regions.append(Region(a, b, c, d, mode))
 
@@ -180,7 +252,11 @@ def diff_rendered(
         if tag == "insert" and i1 == len(old_messages):
             j_app = j1
             break
-        if tag == "equal" and old_tokens[ob[i1] : ob[i2]] == N[nb[j1] : nb[j2]]:
+        if (
+            tag == "equal"
+            and ob[i2] - ob[i1] == nb[j2] - nb[j1]
+            and _same(old_tokens, ob[i1], ob[i2], N, nb[j1], known)
+        ):
             # NOTE: a run of unchanged messages whose tokens are unchanged: one region (C speed)
             regions.append(Region(ob[i1], ob[i2], nb[j1], nb[j2], None))
             continue
@@ -200,10 +276,24 @@ def diff_rendered(
     add(g_start + g, len(old_tokens), r_start + g, r_start + g, None, False)
     tail = list(N[r_start + g :])
 
+    if known:  # NOTE: runs of changed regions start after, and end before, known equal tokens
+        changed = [False, *(r.mode is not None for r in regions), False]
+        regions = [
+            _trimmed(r, known, not changed[k], not changed[k + 2]) if changed[k + 1] else r
+            for k, r in enumerate(regions)
+        ]
     directives = region_directives(old_tokens, N, regions)
-    edited = _edited(old_tokens, directives)
-    edited += tail
-    if edited != N:  # never expected; stay exact
+    if not _rebuilds(old_tokens, directives, tail, N, known):  # never expected; stay exact
         cover = diff_tokens(old_tokens, N, default_mode)
         return Diff(cover.directives, cover.tail, True)
     return Diff(directives, tail, fallback)
+
+
+def _trimmed(r: Region, known: Known, start: bool, end: bool) -> Region:
+    """``r`` less the tokens known equal at its ``start`` and ``end`` (where flagged: a run's
+    first and last region), at most the shorter side's: ``token_changes`` trims the common prefix
+    and suffix of the run anyway, so the directives and their modes are the same."""
+    n = min(r.old_end - r.old_start, r.new_end - r.new_start)
+    k = min(n, _known_prefix(known, r.old_start, r.new_start)) if start else 0
+    k2 = min(n - k, _known_suffix(known, r.old_end, r.new_end)) if end else 0
+    return Region(r.old_start + k, r.old_end - k2, r.new_start + k, r.new_end - k2, r.mode)

@@ -229,6 +229,9 @@ class ConversationWrapper:
                 tools_changed=last.tools != (list(tools) if tools else None),
                 old_keys=last.keys or None,
                 new_keys=keys,
+                # NOTE: self.tokens starts with last.tokens (_holds_last): the runs the renderer
+                # copied from those are equal in both (O(change) checks in the diff).
+                known=self.incremental.copied(rendered, last.tokens) if self.incremental else (),
             )
         else:
             diff = diff_tokens(self.tokens, rendered.tokens, self.default_mode)

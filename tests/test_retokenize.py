@@ -80,6 +80,7 @@ def test_resplice_equals_a_full_tokenization(renderer: Renderer, texts: tuple[st
     old, new = texts
     old_ids, old_starts = encode(tok, old)
     stats: dict[str, int] = {}
+    kept: list[tuple[int, int, int]] = []
     out = resplice(
         lambda t: tok.encode(t, add_special_tokens=False),
         old,
@@ -87,11 +88,16 @@ def test_resplice_equals_a_full_tokenization(renderer: Renderer, texts: tuple[st
         Starts.of(old_starts),
         new,
         stats,
+        kept=kept,
     )
     assert stats.get("window_fallbacks", 0) == 0  # the check never rejects o200k's line cuts
     if out is not None:
         ids, starts = out
         assert (ids, starts.tolist()) == encode(tok, new)
+        # the runs it reports as copied are the old tokens at those places, and only the window
+        # between them was encoded anew
+        assert all(ids[j : j + n] == old_ids[i : i + n] for i, j, n in kept)
+        assert len(ids) - sum(n for _, _, n in kept) <= len(ids) // 2 + 1 or old == new
 
 
 def test_resplice_windows_a_small_edit_of_a_long_text(renderer: Renderer) -> None:
@@ -215,12 +221,19 @@ def test_head_edits_render_exactly(renderer: Renderer, edits, role: str, tools: 
     t = TOOLS if tools else None
     head = report(0, 150)
     msgs = [{"role": role, "content": head}, {"role": "user", "content": "Fix it."}, *step(0)]
+    prev = inc.render(msgs, t)
     for turn, (at, cut, text, grow) in enumerate(edits):
         at = min(at, len(head))
         head = head[:at] + text + head[at + cut :]
         msgs = [{**msgs[0], "content": head}, *msgs[1:], *(step(turn + 1) if grow else [])]
         got, want = inc.render(msgs, t), renderer.render(msgs, t)
         assert (got.text, got.tokens, got.spans) == (want.text, want.tokens, want.spans)
+        # the runs the diff skips comparing are equal, and cover all but the change's window
+        runs = inc.copied(got, prev.tokens)
+        assert all(got.tokens[j : j + n] == prev.tokens[i : i + n] for i, j, n in runs)
+        assert sum(n for _, _, n in runs) >= len(prev.tokens) - 3000
+        assert inc.copied(got, list(prev.tokens)) == []  # another list: nothing is known
+        prev = got
     assert inc.stats["window_fallbacks"] == 0
 
 

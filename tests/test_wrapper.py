@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from shared_data import traces_dir
 from leyline_agent import ConversationWrapper, Directive, Mode
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.chat.render import Renderer
-from leyline_agent.diff import diff_rendered, diff_tokens
+from leyline_agent.diff import _index_aligned, align_messages, diff_rendered, diff_tokens
 from leyline_agent.directive import apply_directives
 from leyline_agent.policies import Conversation, Edit, parse_policy
 from leyline_agent.traces import Trace, load
@@ -393,3 +394,44 @@ def test_incoming_list_is_rendered_only_when_sent_or_counted(
     assert rendered == renders
     assert plan.tokens == renderer.render(plan.messages).tokens
     assert (plan.edits != []) == (policy != "none")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 9), max_size=12),
+    st.integers(0, 12),
+    st.integers(0, 9),
+    st.lists(st.integers(0, 9), max_size=4),
+    st.booleans(),
+)
+def test_align_messages_without_difflib(old, at, key, appended, distinct) -> None:
+    """A list that keeps the old messages at their indices but for one (a stubbed output, a
+    rewritten first message), then appends, is aligned without difflib: with distinct keys the
+    opcodes are difflib's, with any keys they are a valid alignment keeping all but one."""
+    if distinct:
+        old = [("m", i) for i in range(len(old))]
+        key, appended = ("changed",), [("new", i) for i in range(len(appended))]
+    new = list(old)
+    if old and at < len(old):
+        new[at] = key
+    new += appended
+    changed = sum(a != b for a, b in zip(old, new, strict=False))
+    assert (_index_aligned(old, new) is not None) == (
+        changed == 0 or (changed == 1 and at < len(old) - 1)
+    )
+    got = align_messages([{}] * len(old), [{}] * len(new), old, new)
+    i = j = 0
+    for tag, i1, i2, j1, j2 in got:
+        assert (i1, j1) == (i, j) and tag in ("equal", "replace", "delete", "insert")
+        if tag == "equal":
+            assert old[i1:i2] == new[j1:j2]
+        i, j = i2, j2
+    assert (i, j) == (len(old), len(new))
+    if distinct:
+        ref = difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
+        if ref and ref[-1][0] == "replace" and ref[-1][2] == len(old):
+            tag, i1, i2, j1, j2 = ref.pop()
+            ref.append(("replace", i1, i2, j1, j1 + min(i2 - i1, j2 - j1)))
+            if j1 + min(i2 - i1, j2 - j1) < j2:
+                ref.append(("insert", i2, i2, j1 + min(i2 - i1, j2 - j1), j2))
+        assert got == ref

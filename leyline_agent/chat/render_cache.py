@@ -139,7 +139,7 @@ class IncrementalRenderer:
                 found, need, pos = best.found[:start], best.need[:start], best.pos[: start + 1]
         else:
             text, raw = full_text(self.renderer, messages, tools, add_generation_prompt)
-        tokens, starts, cuts, same = self._encode(text, best)
+        tokens, starts, cuts, same, copied = self._encode(text, best)
         at = pos[-1]
         for f in content_positions(messages[start:], text, at):
             found.append(f)
@@ -170,9 +170,23 @@ class IncrementalRenderer:
             found,
             need,
             pos,
+            (best.tokens, copied) if best is not None and copied else None,
         )
         self._remember(best, state)
         return rendered
+
+    def copied(self, rendered: Rendered, tokens: list[int]) -> list[tuple[int, int, int]]:
+        """Runs ``(i, j, n)`` with ``rendered.tokens[j:j + n] == tokens[i:i + n]`` because the
+        render copied them from ``tokens`` (the very list: compared by identity), for a
+        remembered ``rendered`` (also by identity); ``[]`` when none is known. Lets a caller
+        skip comparing those runs (``diff.diff_rendered``'s ``known``); the lists must not have
+        been mutated (``Rendered`` is read-only)."""
+        if rendered.tokens is tokens:
+            return [(0, 0, len(tokens))]
+        for s in self._states:
+            if s.rendered is rendered:
+                return list(s.copied[1]) if s.copied and s.copied[0] is tokens else []
+        return []
 
     def _head_window(
         self, window: list[Message], tools: list[Any] | None, agp: bool
@@ -206,9 +220,12 @@ class IncrementalRenderer:
             and head_local(self.renderer)
         )
 
-    def _encode(self, text: str, base: RenderState | None) -> tuple[list[int], Starts, list, int]:
-        """Token ids, token starts and cut points of ``text``, and the characters at its start
-        whose tokens are ``base``'s (the same ids and starts): ``base``'s ids up to the last cut
+    def _encode(
+        self, text: str, base: RenderState | None
+    ) -> tuple[list[int], Starts, list, int, list[tuple[int, int, int]]]:
+        """Token ids, token starts and cut points of ``text``, the characters at its start whose
+        tokens are ``base``'s (the same ids and starts), and the runs of ``base.tokens`` copied
+        (``(index there, index in the ids, count)``): ``base``'s ids up to the last cut
         inside the text both agree on, then piece by piece (a piece ends after a special token),
         each piece's ids remembered. A long first piece is re-tokenized from ``base``'s around the
         change (``resplice``), and where the texts agree again after it (a first message changed
@@ -218,6 +235,7 @@ class IncrementalRenderer:
         tokens: list[int] = []
         segs: list[Seg] = []
         cuts: list[int] = []
+        copied: list[tuple[int, int, int]] = []
         if base is not None and cut_ids:
             j = self._reusable(base, 0, 0, prefix_len(base.text, text))
             if j:
@@ -225,6 +243,7 @@ class IncrementalRenderer:
                 p = base.starts[i] if i < len(base.starts) else len(base.text)
                 tokens, cuts = base.tokens[:i], base.cuts[:j]
                 segs = list(base.starts.slice(0, i).segs)
+                _run(copied, 0, 0, i)
         same, first = p, True
         while True:
             m = splitter.search(text, p) if splitter else None
@@ -233,7 +252,10 @@ class IncrementalRenderer:
             hit = self._pieces.get(piece)
             if hit is None:
                 if first and base is not None and len(piece) >= _WINDOW_MIN:
-                    hit = self._resplice(base, i, j, p, piece)
+                    kept: list[tuple[int, int, int]] = []
+                    hit = self._resplice(base, i, j, p, piece, kept)
+                    for o, k, n in kept if hit is not None else ():
+                        _run(copied, o, len(tokens) + k, n)
                 if hit is None:
                     enc = self._encoder(piece)
                     hit = (enc.ids, Starts.of(encoding_starts(enc)))
@@ -255,6 +277,7 @@ class IncrementalRenderer:
                 j2 = self._reusable(base, q, j + 1, prefix_len(base.text[q:], text[end:]))
                 if j2 > j + 1:
                     c2, off, shift = base.cuts[j2 - 1], len(tokens) - c, end - q
+                    _run(copied, c, len(tokens), c2 - c)
                     tokens += base.tokens[c:c2]
                     segs += base.starts.slice(c, c2, shift).segs
                     cuts += [x + off for x in base.cuts[j + 1 : j2]]
@@ -262,7 +285,7 @@ class IncrementalRenderer:
             first = False
             p = end
             if p >= len(text):
-                return tokens, Starts(segs), cuts, same
+                return tokens, Starts(segs), cuts, same, copied
 
     @staticmethod
     def _reusable(base: RenderState, at: int, lo: int, agree: int) -> int:
@@ -278,7 +301,7 @@ class IncrementalRenderer:
         return self.renderer.tokenizer.encode(text, add_special_tokens=False)
 
     def _resplice(
-        self, base: RenderState, i: int, j: int, p: int, piece: str
+        self, base: RenderState, i: int, j: int, p: int, piece: str, kept: list
     ) -> tuple[list[int], Starts] | None:
         """``piece`` (at ``p``) re-tokenized from ``base``'s piece at ``p`` (its tokens from ``i``
         to the next cut after ``base.cuts[j - 1]``), or None (encode it in full)."""
@@ -290,10 +313,22 @@ class IncrementalRenderer:
         if len(old) < _WINDOW_MIN // 2:
             return None
         old_starts = base.starts.slice(i, c, -p)
-        return resplice(self._encoder, old, base.tokens, old_starts, piece, self.stats, at=i)
+        return resplice(
+            self._encoder, old, base.tokens, old_starts, piece, self.stats, at=i, kept=kept
+        )
 
     def _remember(self, used: RenderState | None, state: RenderState) -> None:
         """Most recent first: the new state, then the one it was made from, then the rest."""
         rest = [s for s in self._states if s is not used and s is not state]
         self._states = [state, *([used] if used is not None and used is not state else []), *rest]
         del self._states[self.max_states :]
+
+
+def _run(runs: list[tuple[int, int, int]], old: int, new: int, n: int) -> None:
+    """Append the copied run ``(old, new, n)``, joined to the last one where it continues it."""
+    if n <= 0:
+        return
+    if runs and runs[-1][0] + runs[-1][2] == old and runs[-1][1] + runs[-1][2] == new:
+        o, k, m = runs.pop()
+        old, new, n = o, k, m + n
+    runs.append((old, new, n))

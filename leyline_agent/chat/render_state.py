@@ -26,6 +26,9 @@ class RenderState(NamedTuple):
     found: list[Found | None]  # content_positions
     need: list[int]  # running maximum of found[k].need (0 for None)
     pos: list[int]  # search position before each message, then after the last
+    # the tokens list this render copied runs of, and those runs: (index there, index in
+    # ``tokens``, count) (``IncrementalRenderer.copied``)
+    copied: tuple[list[int], list[tuple[int, int, int]]] | None = None
 
 
 def frozen(message: Message) -> Message:

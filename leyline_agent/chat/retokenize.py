@@ -102,17 +102,22 @@ def resplice(
     new: str,
     stats: dict[str, int] | None = None,
     at: int = 0,
+    kept: list[tuple[int, int, int]] | None = None,
 ) -> tuple[list[int], Starts] | None:
     """Token ids and starts of ``new`` from ``old``'s (see module docstring), or None.
 
     ``old_ids[at:at + len(old_starts)]``/``old_starts`` must be ``old``'s exact encoding (``at``:
     where it lies in a longer list, not copied), and both texts must be encoded on their own
     (they start and end at cuts the caller knows, such as special tokens). ``stats``:
-    ``"windowed"`` counts the windows used, ``"window_fallbacks"`` the failed checks.
+    ``"windowed"`` counts the windows used, ``"window_fallbacks"`` the failed checks. ``kept``:
+    where given, ``(old index, new index, count)`` of each run of ``old_ids`` copied into the
+    result is appended (old index in ``old_ids``, new index in the result).
     """
     stats = stats if stats is not None else {}
     agree = prefix_len(old, new)
     if agree == len(old) == len(new):
+        if kept is not None:
+            kept.append((at, 0, len(old_starts)))
         return old_ids[at : at + len(old_starts)], old_starts
     delta = len(new) - len(old)
     common = suffix_len(old, new, min(len(old), len(new)) - agree)
@@ -136,6 +141,8 @@ def resplice(
     ids = old_ids[at : at + i]
     ids += enc.ids
     ids += old_ids[at + j : at + len(old_starts)]
+    if kept is not None:
+        kept += [(at, 0, i), (at + j, i + len(enc.ids), len(old_starts) - j)]
     starts = (
         old_starts.slice(0, i)
         + Starts.of(encoding_starts(enc), a)
