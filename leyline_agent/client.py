@@ -154,6 +154,7 @@ class LeylineClient:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         target_extra_key: str | None = None,
+        lora_path: str | None = None,
         expected_state: str | None = None,
         idempotency_key: str | None = None,
         retries: int = 1,
@@ -162,7 +163,9 @@ class LeylineClient:
         """Run directives on the cached ``tokens`` in the namespace ``(extra_key, cache_salt)``
         (the one the chat or generate request that cached them used). ``target_extra_key``: build
         the edited sequence in ``(target_extra_key, cache_salt)`` instead (the unchanged prefix
-        copied, the source left as it was). ``expected_state``: the ``wire.state_id`` the edit
+        copied, the source left as it was). ``lora_path``: the LoRA adapter the sequence was cached
+        under, named as the requests name it (SGLang's ``lora_path``); the splice edits that
+        adapter's namespace and prefills with it (None: the base model). ``expected_state``: the ``wire.state_id`` the edit
         was planned against (409 when the cache no longer holds it). ``idempotency_key``: with
         one, a splice whose answer was lost (timeout, dropped connection) is sent again, up to
         ``retries`` times, with the same key and body: the server answers a retry of an applied
@@ -177,6 +180,8 @@ class LeylineClient:
         }
         if target_extra_key is not None:
             body["target_extra_key"] = target_extra_key
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         if expected_state is not None:
             body["expected_state"] = expected_state
         if idempotency_key is not None:
@@ -198,14 +203,17 @@ class LeylineClient:
         extra_key: str | None,
         target_extra_key: str,
         cache_salt: str | None = None,
+        lora_path: str | None = None,
     ) -> ForkResponse:
         """Copy the KV of ``tokens`` (cached in full in ``(extra_key, cache_salt)``) into
-        ``(target_extra_key, cache_salt)``. Raises :class:`ForkRejected`."""
+        ``(target_extra_key, cache_salt)``; ``lora_path``: under that LoRA adapter (both
+        namespaces its). Raises :class:`ForkRejected`."""
         body = ForkRequest(
             tokens=list(tokens),
             extra_key=extra_key,
             cache_salt=cache_salt or None,
             target_extra_key=target_extra_key,
+            lora_path=lora_path,
         )
         data, _ = self._post("/leyline/fork", body.model_dump(exclude_none=True), ForkRejected)
         return ForkResponse.model_validate(data)

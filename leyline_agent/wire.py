@@ -43,14 +43,19 @@ class Namespace(NamedTuple):
 
 
 def state_id(
-    tokens: Sequence[int], extra_key: str | None = None, cache_salt: str | None = None
+    tokens: Sequence[int],
+    extra_key: str | None = None,
+    cache_salt: str | None = None,
+    lora_path: str | None = None,
 ) -> str:
     """The id of one cached sequence version: SHA-256 over the namespace ``(extra_key,
-    cache_salt)`` and the token ids (int64), 32 hex characters. Content-addressed, so the server
-    computes the id of whatever it holds without remembering anything; chained through edits by
-    ``SpliceResponse.parent_state_id`` (the version a splice was applied to)."""
+    cache_salt)`` (and the LoRA adapter's name, when one is named) and the token ids (int64), 32
+    hex characters. Content-addressed, so the server computes the id of whatever it holds without
+    remembering anything; chained through edits by ``SpliceResponse.parent_state_id`` (the version
+    a splice was applied to)."""
     h = hashlib.sha256(b"leyline-state-v1\0")
-    h.update(json.dumps([extra_key, cache_salt or None]).encode())
+    ns: list[str | None] = [extra_key, cache_salt or None, *([lora_path] if lora_path else [])]
+    h.update(json.dumps(ns).encode())
     h.update(array("q", tokens).tobytes())
     return h.hexdigest()[:32]
 
@@ -76,6 +81,11 @@ class SpliceRequest(BaseModel):
         KV) and the edited sequence is built in ``(target_extra_key, cache_salt)`` (the session's
         private one): the unchanged prefix is copied slot by slot (no prefill), the source path
         stays as it was (FORGET still purges the removed span from it).
+    lora_path: the LoRA adapter the sequence was cached under, named as requests name it
+        (SGLang's ``lora_path``: the NAME of ``--lora-paths NAME=DIR``); None: the base model.
+        The splice matches and inserts in that adapter's namespace (SGLang keys it by
+        ``extra_key + lora_id``) and runs its replacement prefill and FORGET's re-prefill with
+        the adapter (``backends/sglang/lora.py``); 400 for an adapter the server has not loaded.
     dp_rank: with SGLang ``--dp-size`` > 1, the DP rank that holds the sequence; None (default):
         the home rank of the namespace, where the server pins its requests (``backends/sglang/
         dp.py``). A client that pins requests itself (``routed_dp_rank``) names the same rank here.
@@ -95,6 +105,7 @@ class SpliceRequest(BaseModel):
     extra_key: str | None = None
     cache_salt: str | None = None
     target_extra_key: str | None = None
+    lora_path: str | None = Field(default=None, min_length=1)
     dp_rank: StrictInt | None = Field(default=None, ge=0)
     expected_state: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
@@ -178,6 +189,7 @@ class ForkRequest(BaseModel):
     extra_key, cache_salt: the source namespace.
     target_extra_key: the child's namespace (with the same ``cache_salt``); must differ from
         ``extra_key``. Splices there never touch the source.
+    lora_path: the LoRA adapter both namespaces belong to (as ``SpliceRequest.lora_path``).
     dp_rank: as for ``SpliceRequest`` (the source namespace's home rank by default).
     """
 
@@ -187,6 +199,7 @@ class ForkRequest(BaseModel):
     extra_key: str | None = None
     cache_salt: str | None = None
     target_extra_key: str
+    lora_path: str | None = Field(default=None, min_length=1)
     dp_rank: StrictInt | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
@@ -203,6 +216,7 @@ class ForkRequest(BaseModel):
             extra_key=self.extra_key,
             cache_salt=self.cache_salt,
             target_extra_key=self.target_extra_key,
+            lora_path=self.lora_path,
             dp_rank=self.dp_rank,
             expected_state=None,
             idempotency_key=None,

@@ -71,6 +71,9 @@ SYMBOLS: dict[str, str] = {
         "sglang.srt.layers.attention.attention_registry:register_attention_backend"
     ),
     "ModelRunner": "sglang.srt.model_executor.model_runner:ModelRunner",
+    # LoRA (lora.py): a LoRA request's radix key is extra_key + lora_id (Req.__init__)
+    "LoRAManager": "sglang.srt.lora.lora_manager:LoRAManager",
+    "LoRARef": "sglang.srt.lora.lora_registry:LoRARef",
     "AttentionBackendRegistry": (
         "sglang.srt.models.deepseek_common.attention_backend_handler:AttentionBackendRegistry"
     ),
@@ -125,7 +128,13 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "TreeCacheBuildContext": (
         "params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache",
     ),
-    "Req": ("rid", "kv", "prefix_len", "last_node", "extend_end", "cache_salt", "refresh_fill_ids"),
+    "Req": (
+        "rid", "kv", "prefix_len", "last_node", "extend_end", "cache_salt", "refresh_fill_ids",
+        "lora_id", "finished",
+    ),
+    "ModelRunner": ("lora_manager",),
+    "LoRAManager": ("lora_refs", "validate_lora_batch", "fetch_new_loras", "prepare_lora_batch"),
+    "LoRARef": ("lora_id", "lora_name"),
     "ReqKvInfo": ("req_pool_idx", "cache_protected_len", "holds_kv", "mark_kv_released"),
     "ScheduleBatch": ("init_new", "prepare_for_extend", "out_cache_loc"),
     "TokenToKVPoolAllocator": (

@@ -1,4 +1,4 @@
-"""CPU dev mode: the patches SGLang 0.5.23 needs to serve a DeepSeek-V2 model without CUDA.
+"""CPU dev mode: the patches SGLang 0.5.23 needs to serve a DeepSeek-V2 model (or LoRA) without CUDA.
 
 Only applied by :func:`apply` when the host has no CUDA (``leyline serve`` sets
 ``LEYLINE_CPU_DEV=1`` there). Observed on SGLang 0.5.23 (see ``shared/SGLANG_NOTES.md``):
@@ -15,6 +15,12 @@ Only applied by :func:`apply` when the host has no CUDA (``leyline serve`` sets
    here), so ``init_model_parallel_group`` builds a ``PyNcclCommunicator`` for the TP group and
    fails ("Expected a cuda device, but got: cpu"). Without pynccl (and custom all-reduce) the
    group's collectives run on torch.distributed's gloo CPU group.
+4. ``--enable-lora``: SGLang's LoRA layers and memory pool pin host buffers
+   (``torch.tensor(..., pin_memory=True)``, ``Tensor.pin_memory()`` in ``sglang/srt/lora/
+   layers.py``), which a CPU-only torch answers with "Found no NVIDIA driver". With no CUDA,
+   pinning means nothing (there is no device copy to speed up): ``torch.tensor``/``empty``/
+   ``zeros`` drop ``pin_memory=True`` and ``Tensor.pin_memory`` returns the tensor itself. Only
+   when ``torch.cuda.is_available()`` is False, so a CUDA host never runs this.
 """
 
 from __future__ import annotations
@@ -56,8 +62,32 @@ def register_cpu_parallel_groups() -> None:
     )
 
 
+def no_pin_memory() -> None:
+    """Patch 4: pinning is a no-op on a CPU-only torch (idempotent; nothing on a CUDA host)."""
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch.Tensor.pin_memory, "_leyline", False):
+        return
+
+    def unpinned(fn: Any) -> Any:
+        def make(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return make
+
+    for name in ("tensor", "empty", "zeros"):
+        setattr(torch, name, unpinned(getattr(torch, name)))
+
+    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    pin_memory._leyline = True  # type: ignore[attr-defined]
+    torch.Tensor.pin_memory = pin_memory
+
+
 def apply() -> None:
     """Apply the patches (idempotent)."""
     patch_rotary_embedding_is_cpu()
     register_torch_native_mla_handler()
     register_cpu_parallel_groups()
+    no_pin_memory()

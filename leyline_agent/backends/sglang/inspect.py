@@ -1,7 +1,7 @@
 """``/leyline/stats`` and the debug views (scheduler side of ``InspectReqInput``).
 
 ``{"op": "stats"}`` always (``integrity.stats``); with ``LEYLINE_DEBUG_ENDPOINTS=1`` also
-``{"op": "rows", "tokens": [...], "extra_key": ...}`` (the KV rows of a cached sequence and the RoPE
+``{"op": "rows", "tokens": [...], "extra_key": ..., "lora_path": ...}`` (the KV rows of a cached sequence and the RoPE
 the server rotates with) and ``{"op": "tree_slots"}`` (every slot the tree holds).
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from leyline_agent.backends.sglang import integrity
 from leyline_agent.backends.sglang.errors import SpliceError, debug_enabled
+from leyline_agent.backends.sglang.lora import lora_key, resolve
 from leyline_agent.backends.sglang.preflight import Served
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,15 @@ def handle_inspect(served: Served, payload: str) -> tuple[int, str]:
                 rope = {"spec": dataclasses.asdict(spec), "band": band, "source": source}
             except SpliceError as e:
                 rope = {"error": str(e)}
-            body = integrity.rows(
-                served.tree, served.kv_buffers(), req["tokens"], req.get("extra_key"), rope
-            )
+            lora_id = resolve(served.scheduler, req.get("lora_path"))
+            key = lora_key(req.get("extra_key"), lora_id)  # the adapter's namespace (lora.py)
+            body = integrity.rows(served.tree, served.kv_buffers(), req["tokens"], key, rope)
             return 200, json.dumps(body)
         if op == "tree_slots":
             return 200, json.dumps({"slots": served.tree.all_slots().tolist()})
         return 400, json.dumps({"error": f"unknown op {op!r}"})
+    except SpliceError as e:
+        return e.status, json.dumps(e.body())
     except Exception as e:
         logger.exception("leyline inspect failed")
         return 500, json.dumps({"error": repr(e)})

@@ -40,8 +40,13 @@ def prefill_tokens(
     extra_key: str | None,
     cache_salt: str | None,
     fault: Callable[[str], None],
+    lora_id: str | None = None,
 ) -> torch.Tensor:
     """Prefill ``tokens[len(prefix):]`` with ``prefix`` (int64 slot ids ``[P]``) as context.
+
+    ``lora_id``: run the forward with that LoRA adapter (``lora.py``): the ``Req`` carries it, so
+    ``ForwardBatch.init_new`` has SGLang's LoRA manager load and prepare it for the batch, as for
+    any extend of that adapter's requests; None: the base model.
 
     Returns the new tokens' slots, int64 ``[len(tokens) - P]``; the caller owns them. ``fault`` is
     called at ``prefill.prepare`` and ``prefill.forward`` (test hook). Raises whatever SGLang
@@ -61,6 +66,7 @@ def prefill_tokens(
         params,
         extra_key=extra_key,
         vocab_size=s.model_config.vocab_size,
+        lora_id=lora_id,
     )
     req.cache_salt = cache_salt
     req.refresh_fill_ids()

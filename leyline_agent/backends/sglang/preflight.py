@@ -166,9 +166,7 @@ def check_settings(scheduler: Scheduler) -> None:
       storage are keyed by their tokens only; a spliced page (rotated, or prefilled against an
       edited context) written back would be served to other sessions as the exact KV of those
       tokens. ``leyline serve`` then runs SGLang's own HiCache radix tree (``radix.py``).
-    - ``--enable-lora``: the replacement prefill runs without the request's adapter (a LoRA
-      request's cache key is ``extra_key + lora_id``; the adapter's requests would read base-model
-      KV as theirs). Splices do not name an adapter yet, so a LoRA server refuses them all.
+    - (``--enable-lora`` is not refused here: a splice names its adapter, ``lora.py``.)
     - speculative decoding (EAGLE, EAGLE3, MTP, standalone drafts): the draft model's KV pool
       shares the target's slot indices; a splice would need the same remap, copies and RoPE
       rotation there (and the draft's own RoPE), which the plugin does not do.
@@ -179,14 +177,6 @@ def check_settings(scheduler: Scheduler) -> None:
             "splices are refused with --enable-hierarchical-cache: HiCache keys the pages it "
             "writes back to host memory and storage by their tokens only, so a spliced page "
             "would be served to other sessions as exact KV (docs/backend.md)",
-        )
-    if getattr(scheduler, "enable_lora", False):
-        raise SpliceError(
-            501,
-            "splices are refused with --enable-lora: the replacement prefill and FORGET's "
-            "re-prefill would run without the request's adapter, and SGLang keys an adapter's "
-            "cache by extra_key + lora_id, so its requests would read base-model KV as their own "
-            "(docs/backend.md)",
         )
     spec = getattr(scheduler, "spec_algorithm", None)
     if spec is not None and not spec.is_none():

@@ -21,6 +21,9 @@ tenant's shared one): the prefix is copied to fresh slots (no prefill), nothing 
 the source path stays as it was, and the new sequence is inserted in the target namespace. A fork
 is that with no directive: the whole sequence copied.
 
+Under a LoRA adapter (``lora_path``), every match and insert uses the adapter's namespace
+(``extra_key + lora_id``) and the prefills run with the adapter (``lora.py``).
+
 FORGET from position ``f`` (the first FORGET directive): AMORTIZE directives before ``f`` are
 spliced as above; everything of the new sequence from ``f`` on is re-prefilled, and every tree
 node that held an old position ``>= f`` on this path (and its subtree) is purged, and the pins
@@ -60,6 +63,7 @@ from pydantic import BaseModel, ValidationError
 
 from leyline_agent.backends.sglang.errors import SpliceError, debug_enabled
 from leyline_agent.backends.sglang.ledger import FaultInjector, InjectedFault, Ledger, Timer
+from leyline_agent.backends.sglang.lora import lora_key, resolve
 from leyline_agent.backends.sglang.paged import fresh_slots, purge_tail
 from leyline_agent.backends.sglang.paged_plan import PagedPlan, plan_paged
 from leyline_agent.backends.sglang.plan import (
@@ -108,6 +112,7 @@ class SpliceExecutor:
         self.duplicates = 0  # slots of the last commit that the target already held
         self.allocated = self.freed = 0  # slots the last commit took from / gave back to the pool
         self.replays = ReplayStore()  # idempotency keys (versions.py)
+        self.lora_id: str | None = None  # the adapter of the splice running now (lora.py)
 
     def handle(self, payload: str, op: str = "splice") -> tuple[int, str]:
         """Run one control request (``op``: splice, fork, pin, unpin; ``payload``: its JSON
@@ -194,6 +199,7 @@ class SpliceExecutor:
 
         t0 = time.perf_counter()
         timer = Timer()
+        self.lora_id = lora_id = resolve(self.scheduler, req.lora_path)  # 400/503 (lora.py)
         tree = self.served.check(req)
         ordered = sort_and_check(req.directives, len(req.tokens)) if req.directives else []
         grown = sum(len(d.replacement) - (d.end - d.start) for d in ordered)
@@ -203,7 +209,8 @@ class SpliceExecutor:
         if req.debug_fail_after_prefill and debug_enabled():
             fault = FaultInjector("commit")
 
-        key = RadixKey(array("q", req.tokens), req.extra_key, cache_salt=req.cache_salt)
+        ns_key = lora_key(req.extra_key, lora_id)
+        key = RadixKey(array("q", req.tokens), ns_key, cache_salt=req.cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key))
         cached, page = int(match.device_prefix_len), tree.page_size
         # a paged tree holds full pages only: all of them cached is all of it (paged_plan.py)
@@ -272,7 +279,9 @@ class SpliceExecutor:
             in_place=took_chain,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
             cached_before=cached,
-            state_id=state_id(plan_edit(req.tokens, ordered).new_tokens, *req.target),
+            state_id=state_id(
+                plan_edit(req.tokens, ordered).new_tokens, *req.target, req.lora_path
+            ),
             parent_state_id=parent_state,
             slots_allocated=self.allocated,
             slots_freed=self.freed + purged,
@@ -304,7 +313,7 @@ class SpliceExecutor:
                 with timer("prefill"):
                     slots = prefill_tokens(
                         self.scheduler, self.served.tree, tokens, prefix,
-                        req.target.extra_key, req.cache_salt, fault,
+                        req.target.extra_key, req.cache_salt, fault, self.lora_id,
                     )  # fmt: skip
                 parts.append(ledger.own(slots))
             elif isinstance(op, Rotate) and op.in_place:
@@ -397,9 +406,8 @@ class SpliceExecutor:
                 self._rotate(slots, slots, tail.old, tail.delta)
         fault("insert")
         target = req.target
-        new_key = RadixKey(
-            array("q", plan.new_tokens), target.extra_key, cache_salt=target.cache_salt
-        )
+        ns_key = lora_key(target.extra_key, self.lora_id)
+        new_key = RadixKey(array("q", plan.new_tokens), ns_key, cache_salt=target.cache_salt)
         result = tree.insert(InsertParams(key=new_key, value=new_slots))
         self.allocated = sum(int(t.numel()) for t in ledger.fresh)
         ledger.release_to_tree()  # the tree owns new_slots now (duplicates freed just below)

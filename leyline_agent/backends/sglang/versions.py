@@ -27,7 +27,7 @@ TTL_S = 3600.0
 def check_expected_state(req: SpliceRequest) -> str:
     """The ``state_id`` of ``req.tokens`` (the parent version). 409 when ``req.expected_state``
     names another version: the client planned against a sequence it no longer sends."""
-    parent = state_id(req.tokens, req.extra_key, req.cache_salt)
+    parent = state_id(req.tokens, req.extra_key, req.cache_salt, req.lora_path)
     if req.expected_state is not None and req.expected_state != parent:
         raise SpliceError(
             409,
@@ -48,16 +48,18 @@ class ReplayStore:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.max_keys, self.ttl_s, self.clock = max_keys, ttl_s, clock
-        self._entries: OrderedDict[tuple[str | None, str | None, str], tuple[str, str, float]]
+        self._entries: OrderedDict[
+            tuple[str | None, str | None, str | None, str], tuple[str, str, float]
+        ]
         self._entries = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @staticmethod
-    def _key(req: SpliceRequest) -> tuple[str | None, str | None, str]:
+    def _key(req: SpliceRequest) -> tuple[str | None, str | None, str | None, str]:
         assert req.idempotency_key is not None
-        return (req.extra_key, req.cache_salt, req.idempotency_key)
+        return (req.extra_key, req.cache_salt, req.lora_path, req.idempotency_key)
 
     def _expire(self) -> None:
         now = self.clock()
