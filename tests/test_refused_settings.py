@@ -123,3 +123,29 @@ def test_lora_adapter_not_loaded_is_refused_before_any_change(
         assert reason in json.loads(answer)["error"]["message"], answer
     assert s.token_to_kv_pool_allocator.available_size() == free
     assert s.tree_cache.evictable_size() == evictable and s.tree_cache.protected_size_ == 0
+
+
+def test_lora_adapter_that_cannot_join_the_running_batch_is_503_stand_in_manager() -> None:
+    """``--max-loras-per-batch 1`` with a running request on another adapter: SGLang's own
+    ``LoRAManager.validate_lora_batch`` (bound to the stand-in manager) says no, so the splice
+    would evict the running request's adapter from the LoRA pool; 503, nothing changed."""
+    from types import MethodType
+
+    from sglang.srt.lora.lora_manager import LoRAManager
+
+    s = StandInScheduler(lora=True)
+    manager = s.tp_worker.model_runner.lora_manager
+    other = LoRARef(lora_name="ad0", lora_path="/nonexistent/ad0")
+    manager.lora_refs[other.lora_id] = other
+    manager.max_loras_per_batch, manager.num_pinned_loras = 1, 0
+    manager.validate_lora_batch = MethodType(LoRAManager.validate_lora_batch, manager)
+    running = SimpleNamespace(lora_id=other.lora_id, finished=lambda: False)
+    s.running_batch = SimpleNamespace(reqs=[running])  # type: ignore[attr-defined]
+    toks = cache_one(s)
+    free, evictable = s.token_to_kv_pool_allocator.available_size(), s.tree_cache.evictable_size()
+    body = {"tokens": toks, "directives": [{"start": 2, "end": 4, "replacement": [7]}]}
+    status, answer = SpliceExecutor(s).handle(json.dumps({**body, "lora_path": "ad1"}))  # type: ignore[arg-type]
+    assert status == 503, answer
+    assert "cannot be loaded beside the adapters running now" in json.loads(answer)["error"]
+    assert s.token_to_kv_pool_allocator.available_size() == free
+    assert s.tree_cache.evictable_size() == evictable and s.tree_cache.protected_size_ == 0
