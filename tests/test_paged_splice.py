@@ -144,6 +144,23 @@ def test_fork_copies_whole_pages(paged: tuple[httpx.Client, int]) -> None:
     assert_integrity(stats(c))
 
 
+def test_pin_refused_on_pages_changing_nothing(paged: tuple[httpx.Client, int]) -> None:
+    """Pins are refused on a paged pool (501, before any lock): nothing pinned, rows, slots and
+    counters as before, and the pinned prefix is still an ordinary evictable one."""
+    c, page = paged
+    key, toks = ns(), seq(3 * page, 41)
+    gen(c, toks, key)
+    before, st0 = rows(c, toks, key), stats(c)
+    assert before["cached"] == 3 * page
+    for tokens in (toks, toks[: 2 * page], toks[: page + 1]):
+        r = c.post("/leyline/pin", json={"tokens": tokens, "extra_key": key, "ttl_s": 60})
+        assert r.status_code == 501, r.text
+        assert f"--page-size 1 (server has {page})" in r.json()["error"], r.text
+    assert rows(c, toks, key) == before and stats(c) == st0
+    assert st0["pinned_slots"] == 0 and st0["protected"] == 0
+    assert_integrity(st0)
+
+
 def test_bad_input_changes_nothing_on_pages(paged: tuple[httpx.Client, int]) -> None:
     c, page = paged
     got = paged_check.check_bad_input(c, page)
@@ -160,17 +177,14 @@ def test_bad_input_changes_nothing_on_pages(paged: tuple[httpx.Client, int]) -> 
 
 def test_short_fuzz_on_pages(paged: tuple[httpx.Client, int]) -> None:
     """Seeded random traffic (generate, 1-4 AMORTIZE/FORGET directives, other namespaces,
-    flushes) with the idle invariants after every step and the KV rows on every third splice;
-    MLA only (the fuzzer's row check reads MLA rows)."""
+    flushes) with the idle invariants after every step and the KV rows on every third step that
+    splices: MLA's latent, or V and K outside the rope band (GQA), bit-identical; the band within 1
+    ulp of the exact rotation, with the RoPE spec and band the server reports."""
     c, page = paged
-    from leyline_agent.embedded.model import EMBEDDED
     from leyline_agent.testing.splice_fuzz import SpliceFuzzer
 
-    r = rows(c, seq(page, 1), None)
-    if r["kind"] != "mla":
-        pytest.skip("the fuzzer checks MLA rows; GQA rows are checked above")
     c.post("/flush_cache")
-    fz = SpliceFuzzer(str(c.base_url), 3, config=EMBEDDED.to_hf(), check_rows_every=3, page=page)
+    fz = SpliceFuzzer(str(c.base_url), 3, check_rows_every=3, page=page)
     try:
         rep = fz.run(60)
     finally:

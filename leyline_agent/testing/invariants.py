@@ -1,6 +1,7 @@
 """What a live ``leyline serve`` must show: the idle invariants of ``/leyline/stats`` (see
 ``backends/sglang/integrity.py``) and, after a splice, KV rows moved exactly (MLA: latent
-bit-identical, ``k_pe`` within 1 bf16 ulp of the exact rotation).
+bit-identical, ``k_pe`` within 1 ulp of the exact rotation; MHA/GQA: V and K outside the rope
+band bit-identical, K's band within 1 ulp).
 
 Used by the fuzzer (`splice_fuzz`), the model check, the proxy soak and the live tests.
 """
@@ -15,7 +16,7 @@ import torch
 
 from leyline_agent.directive import Directive, Mode
 from leyline_agent.kernels.rope import RopeSpec, rotate
-from leyline_agent.testing.numerics import bf16_ulp
+from leyline_agent.testing.numerics import ulp
 
 
 def idle_invariants_hold(st: dict[str, Any]) -> bool:
@@ -41,14 +42,30 @@ def idle_stats(http: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:
 
 
 def check_rows(
-    before: dict[str, Any], after: dict[str, Any], ds: list[Directive], lora: int, spec: RopeSpec
+    before: dict[str, Any],
+    after: dict[str, Any],
+    ds: list[Directive],
+    lora: int | None = None,
+    spec: RopeSpec | None = None,
 ) -> int:
-    """Compare KV rows of the old (``before``) and spliced (``after``) sequence. Returns the
-    number of rows checked. Raises ``AssertionError`` naming the first bad row."""
+    """Compare the KV rows of the old (``before``) and spliced (``after``) sequence, both
+    ``/leyline/debug/inspect`` rows answers. MLA (rows ``[n, lora + rope]``): the latent ``c_kv``
+    bit-identical to its source row, ``k_pe`` within 1 ulp of the storage format (bf16 here) of
+    the exact rotation (``kernels.rope.rotate``). MHA/GQA (K rows ``[n, kv_heads, head_dim]``): V
+    and K outside the rope band bit-identical, K's band within the same bound. ``lora``/``spec``:
+    the band's offset and the RoPE spec; by default those the server reports (its ``rope``).
+    Returns the number of rows checked (rows x layers). Raises ``AssertionError`` naming the first
+    bad row."""
     ds = sorted(ds, key=lambda d: d.start)
     forget_at = min((d.start for d in ds if d.mode is Mode.FORGET), default=None)
+    rope = before.get("rope") or {}
+    if spec is None or lora is None:
+        if "spec" not in rope:
+            raise AssertionError(f"the server reports no RoPE spec: {rope.get('error', rope)}")
+        spec = spec or RopeSpec(**rope["spec"])
+    off = lora if lora is not None else int(rope["band"][0])
+    dim, dtype = spec.rotary_dim, before.get("dtype", "bfloat16")
     n_old = before["cached"]
-    checked = 0
     shift, di = 0, 0
     old_idx, new_idx, deltas = [], [], []
     for i in range(n_old):
@@ -69,21 +86,37 @@ def check_rows(
         return 0
     oi, ni = torch.tensor(old_idx), torch.tensor(new_idx)
     dl = torch.tensor(deltas, dtype=torch.int64)
+    name = "k_pe" if before.get("kind", "mla") == "mla" else "K's rope band"
+    checked = 0
     for layer in range(len(before["bits"])):
-        ob, nb = torch.tensor(before["bits"][layer])[oi], torch.tensor(after["bits"][layer])[ni]
-        if not torch.equal(ob[:, :lora], nb[:, :lora]):
-            bad = int((ob[:, :lora] != nb[:, :lora]).any(1).nonzero()[0])
-            raise AssertionError(f"layer {layer}: latent of old row {old_idx[bad]} changed")
-        ov = torch.tensor(before["values"][layer], dtype=torch.float64)[oi, lora:]
-        nv = torch.tensor(after["values"][layer], dtype=torch.float64)[ni, lora:]
+        ob, nb = _heads(before["bits"][layer])[oi], _heads(after["bits"][layer])[ni]
+        outside = torch.ones(ob.shape[-1], dtype=torch.bool)
+        outside[off : off + dim] = False
+        if not torch.equal(ob[..., outside], nb[..., outside]):
+            bad = int((ob[..., outside] != nb[..., outside]).flatten(1).any(1).nonzero()[0])
+            what = "latent" if name == "k_pe" else "K outside the rope band"
+            raise AssertionError(f"layer {layer}: {what} of old row {old_idx[bad]} changed")
+        if "v_bits" in before:
+            vo = torch.tensor(before["v_bits"][layer])[oi]
+            vn = torch.tensor(after["v_bits"][layer])[ni]
+            if not torch.equal(vo, vn):
+                bad = int((vo != vn).flatten(1).any(1).nonzero()[0])
+                raise AssertionError(f"layer {layer}: V of old row {old_idx[bad]} changed")
+        ov = _heads(before["values"][layer]).double()[oi][..., off : off + dim]
+        nv = _heads(after["values"][layer]).double()[ni][..., off : off + dim]
         exact = rotate(ov, dl, spec)
         err = (nv - exact).abs()
-        ok = err <= bf16_ulp(exact) + 1e-30
+        ok = err <= ulp(exact, dtype) + 1e-30
         if not bool(ok.all()):
-            bad = int((~ok).any(1).nonzero()[0])
+            bad = int((~ok).flatten(1).any(1).nonzero()[0])
             raise AssertionError(
-                f"layer {layer}: k_pe of old row {old_idx[bad]} (shift {deltas[bad]}) is "
+                f"layer {layer}: {name} of old row {old_idx[bad]} (shift {deltas[bad]}) is "
                 f"{float(err[bad].max()):.3g} from the exact rotation"
             )
         checked += len(old_idx)
     return checked
+
+
+def _heads(t: list[Any]) -> torch.Tensor:
+    x = torch.tensor(t)
+    return x[:, None, :] if x.dim() == 2 else x  # MLA rows [n, width] -> [n, 1, width]

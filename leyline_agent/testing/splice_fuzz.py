@@ -8,9 +8,10 @@ Operations: generate with a reply of random length (the reply stays cached below
 in-place splices take it over), splices with 1–4 AMORTIZE/FORGET directives, flushes, and
 requests in other namespaces. After every step ``/leyline/stats`` must hold the idle invariants
 (see ``backends/sglang/integrity.py``). ``page``: the server's ``--page-size`` (its tree holds full
-pages only; the checks compare what it holds). On a sample of successful splices the KV rows are checked:
-latent (``c_kv``) bit-identical to its source rows, ``k_pe`` within 1 bf16 ulp of the exact
-rotation to its new position.
+pages only; the checks compare what it holds). On a sample of successful splices the KV rows are
+checked (``invariants.check_rows``): MLA's latent (``c_kv``), or V and K outside the rope band
+(MHA/GQA), bit-identical to their source rows; ``k_pe`` or K's rope band within 1 ulp of the
+exact rotation to its new position.
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ class FuzzReport:
 
 
 class SpliceFuzzer:
-    """Seeded random operations against ``base_url``; :meth:`run` raises ``InvariantBroken``."""
+    """Seeded random operations against ``base_url``; :meth:`run` raises ``InvariantBroken``.
+
+    ``config``: the served model's HF config (optional; see ``self.spec``); ``page``: its
+    ``--page-size``; rows are checked on the steps whose index is a multiple of
+    ``check_rows_every`` when that step is a successful splice."""
 
     def __init__(
         self,
         base_url: str,
         seed: int,
         *,
-        config: dict[str, Any],
+        config: dict[str, Any] | None = None,
         check_rows_every: int = 5,
         max_reply: int = 24,
         page: int = 1,
@@ -68,8 +73,10 @@ class SpliceFuzzer:
         self.http = httpx.Client(base_url=base_url, timeout=600)
         self.rng = random.Random(seed)
         self.report = FuzzReport(seed=seed)
-        self.lora = int(config["kv_lora_rank"])
-        self.spec = RopeSpec.from_hf_config(config)
+        # the row check's oracle: the config's RoPE spec (and MLA's kv_lora_rank, the band's
+        # offset) when given, else the spec and band the server reports with the rows
+        self.lora = int(config["kv_lora_rank"]) if config and "kv_lora_rank" in config else None
+        self.spec = RopeSpec.from_hf_config(config) if config else None
         self.check_rows_every = check_rows_every
         self.live: dict[str, list[int]] = {}  # namespace -> a prompt cached there
         self.keys = [f"fuzz-{seed}-{i}" for i in range(3)]
