@@ -67,10 +67,12 @@ def payload(
 def resolve(value: Any, body: Mapping[str, Any]) -> SpliceRequest:
     """The splice a request ``body`` carries in ``FIELD`` (``value``), in the request's namespace.
 
-    ``extra_key`` left out: the request's; ``cache_salt`` left out: the request's; ``dp_rank``
-    left out: the request's ``routed_dp_rank`` (or ``data_parallel_rank``) when it names one.
-    The edited sequence (``target_extra_key``, else ``extra_key``) must be the request's
-    ``extra_key``, and the salt the request's: else the request would not find it.
+    ``extra_key`` left out: the request's; ``cache_salt`` left out: the request's; ``lora_path``
+    left out: the request's (its LoRA adapter, a str; the adapter named in an OpenAI ``model:
+    "BASE:NAME"`` is not read here: name it in the splice); ``dp_rank`` left out: the request's
+    ``routed_dp_rank`` (or ``data_parallel_rank``) when it names one. The edited sequence
+    (``target_extra_key``, else ``extra_key``) must be the request's ``extra_key``, and the salt
+    and the adapter the request's: else the request would not find it.
 
     Raises:
         InbandError: not an object, a batch request, invalid (pydantic's message), or another
@@ -79,11 +81,15 @@ def resolve(value: Any, body: Mapping[str, Any]) -> SpliceRequest:
     if not isinstance(value, dict):
         raise InbandError(f"{FIELD!r} must be an object (a splice request)")
     key, salt = body.get("extra_key"), body.get("cache_salt") or None
-    if not all(v is None or isinstance(v, str) for v in (key, salt)):
-        raise InbandError(f"{FIELD!r} needs a single request (a string extra_key and cache_salt)")
+    lora = body.get("lora_path") or None
+    if not all(v is None or isinstance(v, str) for v in (key, salt, lora)):
+        raise InbandError(
+            f"{FIELD!r} needs a single request (a string extra_key, cache_salt and lora_path)"
+        )
     data = dict(value)
     data.setdefault("extra_key", key)
     data.setdefault("cache_salt", salt)
+    data.setdefault("lora_path", lora)
     rank = body.get("routed_dp_rank", body.get("data_parallel_rank"))
     if data.get("dp_rank") is None and isinstance(rank, int) and not isinstance(rank, bool):
         data["dp_rank"] = rank
@@ -92,10 +98,11 @@ def resolve(value: Any, body: Mapping[str, Any]) -> SpliceRequest:
     except ValidationError as e:
         raise InbandError(f"invalid {FIELD!r}: {e}") from e
     target = req.target_extra_key or req.extra_key
-    if target != key or (req.cache_salt or None) != salt:
+    if target != key or (req.cache_salt or None) != salt or req.lora_path != lora:
         raise InbandError(
-            f"{FIELD!r} builds its sequence in namespace ({target!r}, {req.cache_salt!r}), "
-            f"the request reads ({key!r}, {salt!r})"
+            f"{FIELD!r} builds its sequence in namespace ({target!r}, {req.cache_salt!r}, "
+            f"lora_path={req.lora_path!r}), the request reads ({key!r}, {salt!r}, "
+            f"lora_path={lora!r})"
         )
     return req
 

@@ -183,6 +183,15 @@ def test_resolve_fills_the_namespace_and_refuses_another() -> None:
             inband.resolve(bad, body)
     with pytest.raises(inband.InbandError, match="single request"):
         inband.resolve({"tokens": [1], "directives": ds}, {"extra_key": ["a", "b"]})
+    # a LoRA request's splice runs under its adapter (issue 27): filled in, or the same, or refused
+    lora_body = {**body, "lora_path": "ad1"}
+    assert inband.resolve({"tokens": [1, 2], "directives": ds}, lora_body).lora_path == "ad1"
+    assert inband.resolve({"tokens": [1, 2], "directives": ds}, body).lora_path is None
+    for bad_lora, req_body in [("ad2", lora_body), ("ad1", body)]:
+        with pytest.raises(inband.InbandError, match="lora_path="):
+            inband.resolve({"tokens": [1, 2], "directives": ds, "lora_path": bad_lora}, req_body)
+    with pytest.raises(inband.InbandError, match="single request"):
+        inband.resolve({"tokens": [1], "directives": ds}, {"lora_path": ["ad1", None]})
 
 
 def test_replayed_body_then_the_clients_own_channel() -> None:
