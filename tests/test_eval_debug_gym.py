@@ -155,6 +155,27 @@ def test_task_result_rows_are_flat_and_carry_the_totals() -> None:
     assert TaskResult(arm="none", task="c", session="s").totals == Totals()
 
 
+def test_real_weights_note_says_why_few_resolve() -> None:
+    from leyline_agent.evals.debug_gym.report import notes
+    from leyline_agent.evals.debug_gym.runner import EvalRun
+
+    rows = [
+        TaskResult(arm="none", task="counter", session="a", steps=3, tool_calls=1,
+                   empty_tool_responses=2),
+        TaskResult(arm="splice", task="counter", session="b", steps=3, tool_calls=0,
+                   empty_tool_responses=3),
+    ]  # fmt: skip
+    run = EvalRun(EvalSpec(tasks=["counter"], max_steps=4), rows, {"load_format": "auto"},
+                  {}, ["view"], False, {}, 1.0)  # fmt: skip
+    why = [n for n in notes(run) if n.startswith("why so few resolve")]
+    assert len(why) == 1 and "1 of 6 model calls were valid" in why[0]
+    assert "5 replies held no tool call" in why[0] and "--max-steps 4" in why[0]
+    dummy = dataclasses.replace(run, backend={"load_format": "dummy"})
+    assert not any(n.startswith("why so few") for n in notes(dummy))
+    constrained = dataclasses.replace(run, constrained=True)
+    assert not any(n.startswith("why so few") for n in notes(constrained))
+
+
 def test_requirements_key_changes_with_every_pin(monkeypatch: pytest.MonkeyPatch) -> None:
     key = requirements_key()
     assert len(key) == 16 and int(key, 16) >= 0

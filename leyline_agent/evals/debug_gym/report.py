@@ -73,8 +73,23 @@ def summarize(run: EvalRun) -> dict[str, dict[str, Any]]:
     return {a: arm_totals([r for r in run.results if r.arm == a]) for a in arms}
 
 
+REAL_WEIGHTS_NOTE = (
+    "why so few resolve (real weights, no constraint): {valid} of {steps} model calls were valid "
+    "calls of a debug-gym tool ({empty} replies held no tool call and were stored as "
+    "empty_tool_response); solving a task takes reading the code, running the tests, editing "
+    "and submitting within --max-steps {max_steps}, which a model that rarely writes a "
+    "well-formed call cannot do. The token figures still compare the arms on the same agent"
+)
+
+
 def notes(run: EvalRun) -> list[str]:
     out = [RANDOM_WEIGHTS_NOTE] if run.backend.get("load_format") == "dummy" else []
+    if not out and not run.constrained and run.results:
+        steps = sum(r.steps for r in run.results)
+        valid, empty = (sum(getattr(r, k) for r in run.results) for k in _STEPS[1:])
+        out.append(REAL_WEIGHTS_NOTE.format(
+            valid=valid, steps=steps, empty=empty, max_steps=run.spec.max_steps,
+        ))  # fmt: skip
     if run.constrained:
         out.append(CONSTRAINED_NOTE.format(tools=", ".join(run.tools)))
     out.append(UNSANDBOXED_NOTE)
