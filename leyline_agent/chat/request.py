@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from leyline_agent.messages import content_text, is_text_parts
@@ -62,12 +63,22 @@ def _message_error(k: int, m: Any) -> str | None:
             return f"messages[{k}]: every tool call needs a 'function' object"
         args = fn.get("arguments")
         if role.lower() == "assistant" and isinstance(args, str):
-            try:
-                parsed = json.loads(args)
-            except ValueError:
-                return "Assistant tool call function.arguments must be valid JSON."
-            if not isinstance(parsed, dict):
-                return "Assistant tool call function.arguments must be a JSON object."
+            error = _arguments_error(args)
+            if error is not None:
+                return error
+    return None
+
+
+@lru_cache(maxsize=4096)
+def _arguments_error(args: str) -> str | None:
+    """Why assistant tool-call ``arguments`` are refused (remembered: a request repeats every
+    earlier turn's calls)."""
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return "Assistant tool call function.arguments must be valid JSON."
+    if not isinstance(parsed, dict):
+        return "Assistant tool call function.arguments must be a JSON object."
     return None
 
 
@@ -100,6 +111,12 @@ def text_error(body: Mapping[str, Any]) -> str | None:
     backend's JSON parser refuses the body (400) and no tokenizer can encode it. Checked in every
     string of the body: contents and content parts, names, tool-call arguments, tool schemas.
     """
+    try:  # NOTE: one pass in C (a surrogate in any key or value fails the encode); the path to
+        # it is looked for only then
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, TypeError, ValueError):
+        pass
     for k, v in body.items():
         where = _unicode_error(v, str(k))
         if where is None and isinstance(k, str):
