@@ -74,6 +74,8 @@ def request_refusal(body: Any) -> str | None:
         refused = breakpoint_error(body["messages"], body.get("tools"))
     if refused is None and not isinstance(body.get("cache_salt") or "", str):
         refused = "'cache_salt' must be a string"
+    if refused is None and not isinstance(body.get("lora_path") or "", str):
+        refused = "'lora_path' must be a string (one adapter per chat request)"
     return refused
 
 
@@ -141,6 +143,7 @@ def prepare(
     messages: Sequence[Mapping[str, Any]] = body["messages"]
     tools = body.get("tools") or None
     core.set_cache_salt(body.get("cache_salt"))
+    core.set_adapter(inband.lora_adapter(body))
     cont = bool(body.get("continue_final_message"))
     developer = not renders_developer(core.wrapper.renderer)  # sent as system where not served
     view, view_tools = chat_request_view(

@@ -47,7 +47,9 @@ def defer(core: SessionCore, pending: Pending) -> dict[str, Any] | None:
         core.wrapper.tokens, plan.directives, extra_key=where.extra_key,
         target_extra_key=where.splice_target(),
     )  # fmt: skip
-    parent = state_id(core.wrapper.tokens, where.extra_key, where.salt)
+    if where.adapter is not None:  # NOTE: the request may name it in its model only
+        edit["lora_path"] = where.adapter
+    parent = state_id(core.wrapper.tokens, where.extra_key, where.salt, where.adapter)
     edit["expected_state"] = parent  # NOTE: as core.splice sends them
     edit["idempotency_key"] = splice_key(parent, plan.directives, where.splice_target())
     return edit

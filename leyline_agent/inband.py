@@ -64,12 +64,28 @@ def payload(
     return out
 
 
+def lora_adapter(body: Mapping[str, Any]) -> str | None:
+    """The LoRA adapter a request body names, as SGLang's OpenAI routes read it
+    (``serving_base._resolve_lora_path``: ``model: "BASE:NAME"`` first, then ``lora_path``; None:
+    the base model). A model name that itself holds a colon is split at its first colon, as
+    SGLang does for any name but its exact served one (which the proxy does not know): such a
+    session's splices then name an adapter its requests do not, and are refused (400), costing
+    reuse, never correctness."""
+    model = body.get("model")
+    if isinstance(model, str) and ":" in model:
+        adapter = model.split(":", 1)[1].strip()
+        if adapter:
+            return adapter
+    lora = body.get("lora_path")
+    return lora if isinstance(lora, str) and lora else None
+
+
 def resolve(value: Any, body: Mapping[str, Any]) -> SpliceRequest:
     """The splice a request ``body`` carries in ``FIELD`` (``value``), in the request's namespace.
 
     ``extra_key`` left out: the request's; ``cache_salt`` left out: the request's; ``lora_path``
-    left out: the request's (its LoRA adapter, a str; the adapter named in an OpenAI ``model:
-    "BASE:NAME"`` is not read here: name it in the splice); ``dp_rank`` left out: the request's
+    left out: the request's ``lora_path`` (its LoRA adapter, a str; a splice may also name the
+    adapter of an OpenAI ``model: "BASE:NAME"``, ``lora_adapter``); ``dp_rank`` left out: the request's
     ``routed_dp_rank`` (or ``data_parallel_rank``) when it names one. The edited sequence
     (``target_extra_key``, else ``extra_key``) must be the request's ``extra_key``, and the salt
     and the adapter the request's: else the request would not find it.
@@ -98,7 +114,8 @@ def resolve(value: Any, body: Mapping[str, Any]) -> SpliceRequest:
     except ValidationError as e:
         raise InbandError(f"invalid {FIELD!r}: {e}") from e
     target = req.target_extra_key or req.extra_key
-    if target != key or (req.cache_salt or None) != salt or req.lora_path != lora:
+    adapters = {lora, lora_adapter(body)}
+    if target != key or (req.cache_salt or None) != salt or req.lora_path not in adapters:
         raise InbandError(
             f"{FIELD!r} builds its sequence in namespace ({target!r}, {req.cache_salt!r}, "
             f"lora_path={req.lora_path!r}), the request reads ({key!r}, {salt!r}, "

@@ -82,6 +82,9 @@ class Placement:
         # NOTE: private: the session's KV is in ``own`` (it spliced or was forked, or sharing is
         # off); False: in ``shared``, exact KV only.
         self.private = not share_exact
+        # NOTE: the LoRA adapter the session's requests name (SGLang keys their radix path by
+        # extra_key + lora_id): its splices name it too (None: the base model)
+        self.adapter: str | None = None
         self._moved: str | None = None  # why the session moved to another backend
         self.worker: str | None = None  # behind a gateway: the worker that answered last
 
@@ -112,6 +115,16 @@ class Placement:
         if salt == self.salt:
             return False
         self.salt, self.private = salt, not self.share_exact
+        return True
+
+    def set_adapter(self, adapter: str | None) -> bool:
+        """Use the LoRA ``adapter`` from now on (None: the base model); True when it changed:
+        the backend keys an adapter's KV apart from the base model's and every other adapter's,
+        so, as with a new salt, nothing cached so far is reachable. Shared again."""
+        adapter = adapter or None
+        if adapter == self.adapter:
+            return False
+        self.adapter, self.private = adapter, not self.share_exact
         return True
 
     def bind(self, client: LeylineClient) -> None:

@@ -100,6 +100,15 @@ class SessionCore:
             self.wrapper.reset()
             self._reply = 0
 
+    def set_adapter(self, adapter: str | None) -> None:
+        """Use the LoRA ``adapter`` the client's request names (``inband.lora_adapter``)
+        from this turn on; the session's splices name it too, so their replacement prefill runs
+        with it (``backends/sglang/lora.py``). A changed adapter is another namespace: as with a
+        changed salt, the session forgets its tokens and starts shared again."""
+        if self.placement.set_adapter(adapter):
+            self.wrapper.reset()
+            self._reply = 0
+
     def move(self, client: LeylineClient, why: str) -> None:
         """Continue on another backend (the proxy's failover), which holds nothing of this
         session: the next turn is a cold prefill (``best_reused`` 0), an edited one a miss with
@@ -171,10 +180,11 @@ class SessionCore:
         elif self.splice_enabled and plan.directives and self.wrapper.tokens:
             held = common_prefix(self.wrapper.tokens, plan.tokens)
             try:
-                parent = state_id(self.wrapper.tokens, where.extra_key, where.salt)
+                parent = state_id(self.wrapper.tokens, where.extra_key, where.salt, where.adapter)
                 result = where.client.splice(
                     self.wrapper.tokens, plan.directives, extra_key=where.extra_key,
                     cache_salt=where.salt, target_extra_key=where.splice_target(),
+                    lora_path=where.adapter,
                     expected_state=parent,
                     idempotency_key=splice_key(parent, plan.directives, where.splice_target()),
                 )  # fmt: skip

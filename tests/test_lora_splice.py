@@ -241,3 +241,70 @@ def test_fork_under_adapter_copies_into_the_adapters_namespace(c: httpx.Client) 
     st = c.get("/leyline/stats").json()
     assert st["ok"], st
     assert_integrity(stats(c))
+
+
+def test_proxy_session_splices_under_its_adapter(c: httpx.Client) -> None:
+    """Through ``leyline proxy`` and the real ``openai`` client, a session that names the adapter
+    as SGLang reads it (``model: "BASE:NAME"``, or ``lora_path`` in the body) has its splices
+    name it too: every turn after the first finds all but its new tail cached under the adapter,
+    and each edited turn is spliced with no error (a splice sent without the adapter would miss
+    the adapter's namespace: a 409 and a full prefill of the edited turn)."""
+    from test_proxy import (
+        POLICY,
+        TOOLS,
+        agent_conversation,
+        expected_plans,
+        new_id,
+        openai_client,
+        serve_proxy,
+        session_detail,
+    )
+
+    from leyline_agent.proxy import SESSION_HEADER
+
+    turns = agent_conversation()
+    plans = expected_plans(POLICY, turns)
+    assert [bool(p.directives) for p in plans] == [False] * 3 + [True] * 3
+    named = {"model": {"model": f"default:{ADAPTER}"},
+             "lora_path": {"model": "default", "extra_body": {"lora_path": ADAPTER}}}  # fmt: skip
+    with serve_proxy(str(c.base_url), POLICY) as proxy:
+        for how, kwargs in named.items():
+            sid = new_id(f"lora-{how}")
+            client = openai_client(proxy, **{SESSION_HEADER: sid})
+            usage = []
+            for messages in turns:
+                r = client.chat.completions.create(
+                    messages=messages, tools=TOOLS, max_tokens=1, temperature=0, **kwargs
+                )
+                usage.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+            detail = session_detail(proxy, sid)
+            records = detail["records"]
+            for t, ((prompt, cached), plan, rec) in enumerate(
+                zip(usage, plans, records, strict=True)
+            ):
+                assert prompt == len(plan.tokens), (how, t)
+                if t >= 1:
+                    assert cached == prompt - len(plan.tail), (how, t, prompt, cached)
+                if plan.directives:
+                    assert rec["spliced"] and rec["splice_error"] is None, (how, t, rec)
+            assert detail["splice_misses"] == 0 and len(detail["states"]) == 3, (how, detail)
+    assert_integrity(stats(c))
+
+
+def test_placement_adapter_is_another_namespace() -> None:
+    """A session whose requests change adapter forgets its tokens and is shared again, as with a
+    changed ``cache_salt``; the same adapter again changes nothing (``Placement.set_adapter``)."""
+    from leyline_agent.client import LeylineClient
+    from leyline_agent.inband import lora_adapter
+    from leyline_agent.placement import Placement
+
+    p = Placement(LeylineClient("http://127.0.0.1:9"), "own", shared="shared")
+    assert p.adapter is None and not p.set_adapter(None)
+    assert p.set_adapter(ADAPTER) and p.adapter == ADAPTER and p.extra_key == "shared"
+    p.spliced()
+    assert p.extra_key == "own" and not p.set_adapter(ADAPTER) and p.extra_key == "own"
+    assert p.set_adapter("") and p.adapter is None and p.extra_key == "shared"
+    assert lora_adapter({"model": f"base:{ADAPTER}", "lora_path": "other"}) == ADAPTER
+    assert lora_adapter({"model": "base", "lora_path": ADAPTER}) == ADAPTER
+    assert lora_adapter({"model": "base:", "lora_path": None}) is None
+    assert lora_adapter({"model": "base"}) is None
