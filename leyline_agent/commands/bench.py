@@ -273,7 +273,7 @@ def splice(
         if server is not None:
             server.stop()
 
-    summary = sb.summarize(trials)
+    summary = sb.summarize(trials, page=page_size)
     path = sb.write_results(out, spec, summary, trials, environment(backend_info))
     png = sb.plot(out, summary, spec)
     console = Console()

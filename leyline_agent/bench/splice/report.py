@@ -25,8 +25,9 @@ def _peak(ts: Sequence[Trial], phase: str) -> int | None:
     return max((v for v in vals if v), default=None)
 
 
-def summarize(trials: Sequence[Trial]) -> dict[str, dict[str, Any]]:
-    """``{str(L): medians}``; ``speedup = reprefill_ms / (splice_ms + next_ms)``; ``memory``:
+def summarize(trials: Sequence[Trial], page: int = 1) -> dict[str, dict[str, Any]]:
+    """``{str(L): medians}``; ``speedup = reprefill_ms / (splice_ms + next_ms)``; ``splice_hit``: the
+    next request found every full ``page`` of the edited sequence cached; ``memory``:
     peak scheduler RSS per phase (max over repeats) and the last reading of each phase."""
     out: dict[str, dict[str, Any]] = {}
     for length in sorted({t.length for t in trials}):
@@ -48,7 +49,8 @@ def summarize(trials: Sequence[Trial]) -> dict[str, dict[str, Any]]:
             "speedup": reprefill / total if total else None,
             "next_prompt": ts[0].next_prompt,
             "next_cached": min(t.next_cached for t in ts),
-            "splice_hit": all(t.next_cached == t.spliced_length for t in ts),
+            # a paged tree holds full pages only: a hit is every full page of the edit
+            "splice_hit": all(t.next_cached == t.spliced_length // page * page for t in ts),
             "reprefill_cached": max(t.reprefill_cached for t in ts),
             "memory": {
                 "splice_peak_kib": _peak(ts, "splice"),
