@@ -60,3 +60,28 @@ def test_cases_from_the_shared_traces_are_edits_of_fitted_turns() -> None:
         for d in reversed(c.directives):  # applying the directives gives the edited turn
             new[d.start : d.end] = d.replacement
         assert new == c.edited
+
+
+def _row(policy: str, full: int, amortize: int, forget: int) -> dict:
+    return {"policy": policy, "full": [full, 0], "amortize": [amortize, 0], "forget": [forget, 1]}
+
+
+def test_interleave_takes_each_group_in_turn() -> None:
+    """The first n cases hold every (cap, policy) group as evenly as the groups allow."""
+    a, b, c = ([f"{g}{i}" for i in range(k)] for g, k in (("a", 3), ("b", 1), ("c", 2)))
+    assert tf.interleave([a, b, c]) == ["a0", "b0", "c0", "a1", "c1", "a2"]  # type: ignore[arg-type]
+    assert tf.interleave([]) == []
+
+
+def test_policy_table_counts_first_tokens_per_policy() -> None:
+    rows = [
+        _row("keep_last=0", 1, 1, 2),
+        _row("keep_last=0", 1, 2, 2),
+        _row("keep_last=2", 5, 5, 5),
+    ]
+    lines = tf.policy_table(rows).splitlines()
+    lo, hi = tf.wilson(1, 2)
+    assert lines[2] == (
+        f"| keep_last=0 | 2 | 1/2 (50.0%; {lo:.1%}–{hi:.1%}) | 0/2 (0.0%; 0.0%–{tf.wilson(0, 2)[1]:.1%}) |"
+    )
+    assert lines[3].startswith("| keep_last=2 | 1 | 1/1 (100.0%;") and len(lines) == 4

@@ -88,6 +88,13 @@ def fidelity(
         Path | None,
         typer.Option(help="with --model: run again only the cases of this cases.jsonl"),
     ] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="with --model: the edit, a policy spec; repeat for several (default "
+            "stale_tool_outputs:keep_last=0..3, taken in turn)"
+        ),
+    ] = None,
     composed: Annotated[
         int,
         typer.Option(
@@ -117,7 +124,7 @@ def fidelity(
             raise typer.BadParameter("with --model, give one --dtype", param_hint="--dtype")
         summary = run_traces(
             model_dir, traces or [], out, n=n, budget=budget, caps=cap_chars, backend=backend,
-            dtype=dtype[0] if dtype else None, rerun=rerun, composed=composed,
+            dtype=dtype[0] if dtype else None, rerun=rerun, composed=composed, policies=policy,
         )  # fmt: skip
         typer.echo(json.dumps({"out": str(out), "model": model, "summary": summary}))
         return

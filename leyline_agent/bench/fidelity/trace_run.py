@@ -26,6 +26,7 @@ def run_traces(
     dtype: str | None = None,
     rerun: Path | None = None,
     composed: int = 0,
+    policies: list[str] | None = None,
 ) -> dict[str, Any]:
     """Build the cases from ``trace_paths`` (each turn fitted to ``budget`` tokens; one set of
     cases per message cap in ``caps``, characters, default ``[1200]``; at most ``n`` in all),
@@ -34,7 +35,9 @@ def run_traces(
     (``traces.summarize``). ``rerun``: a ``cases.jsonl`` of an earlier run; only its cases
     (trace, turn, policy, cap) are run again. ``composed``: also run that many composed-splice
     sessions (``composed.py``; on the first distinct fitted turns; ``n`` = 0: only those), rows
-    in ``OUT/composed.jsonl``. Rows are appended to ``OUT/cases.jsonl`` as they
+    in ``OUT/composed.jsonl``. ``policies``: the edits (default ``TraceFidelitySpec.policies``);
+    the cases take each (cap, policy) group in turn (``traces.interleave``), so the first ``n``
+    hold as many of each as there are. Rows are appended to ``OUT/cases.jsonl`` as they
     finish, so an interrupted run keeps what it measured.
 
     Raises:
@@ -55,8 +58,13 @@ def run_traces(
     spec = replace(tf.TraceFidelitySpec(), n=n, budget=budget)
     renderer = load_renderer(model_dir)
     loaded = [t for p in trace_paths for t in load(p) if t.turns]
-    every = [replace(spec, cap_chars=cap, n=10**9) for cap in caps]
-    cases = [c for sp in every for c in tf.cases(loaded, renderer, sp)]
+    spec = replace(spec, policies=tuple(policies) if policies else spec.policies)
+    groups = [
+        list(tf.cases(loaded, renderer, replace(spec, cap_chars=cap, policies=(p,), n=10**9)))
+        for cap in caps
+        for p in spec.policies
+    ]
+    cases = tf.interleave(groups)
     if rerun is not None:
         rows0 = [json.loads(line) for line in rerun.read_text().splitlines() if line.strip()]
         keys = {(r["trace"], r["turn"], r["policy"], r.get("cap", 1200)) for r in rows0}
@@ -122,6 +130,7 @@ def run_traces(
     (out / "results.json").write_text(json.dumps(results, indent=2))
     if rows:
         print(tf.table(summary))
+        print(tf.policy_table(rows))
     if crows:
         print(cp.table({k: v for k, v in summary["composed"].items() if k.isdigit()}))
     print(f"results: {out / 'results.json'}; cases: {out / 'cases.jsonl'}")

@@ -239,5 +239,28 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def interleave(groups: Sequence[Sequence[Case]]) -> list[Case]:
+    """One case of each group in turn (``[[a1, a2], [b1]]`` -> ``[a1, b1, a2]``), so that the
+    first ``n`` cases hold every (cap, policy) group as evenly as the groups allow."""
+    longest = max((len(g) for g in groups), default=0)
+    return [g[i] for i in range(longest) for g in groups if i < len(g)]
+
+
+def policy_table(rows: list[dict[str, Any]]) -> str:
+    """First-token agreement with the full context per policy (Markdown): AMORTIZE and FORGET,
+    each with its Wilson 95% interval. A policy that stubs the newest tool output
+    (``keep_last=0``) removes what the next token reads, with few rows after it to carry it."""
+    lines = ["| policy | n | AMORTIZE first = full | FORGET first = full |", "|---|---|---|---|"]
+    for policy in sorted({r["policy"] for r in rows}):
+        rs = [r for r in rows if r["policy"] == policy]
+        cells = []
+        for arm in ("amortize", "forget"):
+            k = sum(r[arm][:1] == r["full"][:1] for r in rs)
+            lo, hi = wilson(k, len(rs))
+            cells.append(f"{k}/{len(rs)} ({k / len(rs):.1%}; {lo:.1%}–{hi:.1%})")
+        lines.append(f"| {policy} | {len(rs)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def spec_dict(spec: TraceFidelitySpec) -> dict[str, Any]:
     return asdict(spec)
