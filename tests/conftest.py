@@ -36,3 +36,24 @@ def leyline_server() -> Iterator[str]:
     # NOTE: a small pool (DEFAULT_MAX_TOTAL_TOKENS is 262,144): the tests fit in 16k tokens.
     with EmbeddedServer(max_total_tokens=16384, env={"LEYLINE_DEBUG_ENDPOINTS": "1"}) as srv:
         yield srv.url
+
+
+@pytest.fixture(scope="session")
+def smollm2_server() -> Iterator[str]:
+    """Base URL of one ``leyline serve`` of SmolLM2-135M-Instruct (real weights, float32 on a
+    CPU without bf16 units, an 8,192-token pool, debug endpoints), shared by the modules that use
+    the real model; ``LEYLINE_TEST_SMOLLM2_SERVER=URL``: one started by hand
+    (``LEYLINE_DEBUG_ENDPOINTS=1 leyline serve --model smollm2-135m-instruct``)."""
+    require_sglang()
+    from leyline_agent.backends.sglang.launch import EmbeddedServer
+    from leyline_agent.models import resolve
+
+    url = os.environ.get("LEYLINE_TEST_SMOLLM2_SERVER")
+    if url:
+        yield url
+        return
+    model_dir = resolve("smollm2-135m-instruct", None)
+    with EmbeddedServer(
+        model_path=model_dir, max_total_tokens=8192, env={"LEYLINE_DEBUG_ENDPOINTS": "1"}
+    ) as srv:
+        yield srv.url

@@ -31,16 +31,15 @@ def test_edits_are_disjoint_spans_and_compose_to_the_one_shot_edit() -> None:
 
 
 @pytest.mark.sglang
-@pytest.mark.live
-def test_composed_session_on_the_embedded_model() -> None:
-    from leyline_agent.backends.sglang.launch import EmbeddedServer
+def test_composed_session_on_the_embedded_model(leyline_server: str) -> None:
+    """On the session's server (the embedded model): each session uses its own namespaces."""
     from leyline_agent.client import LeylineClient
 
     rng = random.Random(3)
     full = [rng.randrange(1000, 40000) for _ in range(300)]
     case = Case("synthetic", 0, "none", 0, full, full, [])
     spec = TraceFidelitySpec(new_tokens=4, top_k=5)
-    with EmbeddedServer(max_total_tokens=4096) as srv, LeylineClient(srv.url) as client:
+    with LeylineClient(leyline_server) as client:
         rows = cp.run_session(client, case, spec, filler=999, steps=(1, 5))
     assert [r["steps"] for r in rows] == [1, 5]
     for r in rows:

@@ -6,7 +6,7 @@ the next call carries it). Asserted: every call went through the proxy into one 
 call after the first found the previous prompt cached, the agent's requests were accepted
 (no error, no splice error, the proxy's rendering equal to the server's prompt tokens), and the
 answers were the model's own non-empty text. Few steps and short answers keep its CI cost small.
-One server per module."""
+The server is the session's (``conftest.smollm2_server``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ import json
 import os
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from requires import require_sglang
 from test_mini_swe_agent import DRIVER, ensure_venv
 
 # mini-swe-agent keeps a reply without a valid tool call only in the format-error message's
@@ -37,27 +35,9 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """A fresh server of the model (float32 on CPU, as ``leyline serve`` picks it);
-    ``LEYLINE_TEST_SMOLLM2_SERVER=URL``: one started by hand."""
-    require_sglang()
-    from leyline_agent.backends.sglang.launch import EmbeddedServer
-    from leyline_agent.models import resolve
-    from leyline_agent.models.registry import cpu_dtype
-
-    url = os.environ.get("LEYLINE_TEST_SMOLLM2_SERVER")
-    if url:
-        yield url
-        return
-    model_dir = resolve(MODEL, None)
-    dtype = cpu_dtype(model_dir)
-    with EmbeddedServer(
-        model_path=model_dir,
-        max_total_tokens=8192,
-        extra_args=["--dtype", dtype] if dtype else None,
-        env={"LEYLINE_DEBUG_ENDPOINTS": "1"},
-    ) as srv:
-        yield srv.url
+def server(smollm2_server: str) -> str:
+    """The session's SmolLM2 server (``conftest.smollm2_server``)."""
+    return smollm2_server
 
 
 @pytest.mark.timeout(1800)

@@ -1,18 +1,16 @@
 """SmolLM2-135M-Instruct served for real on CPU (``leyline serve --model smollm2-135m-instruct``,
-real weights, bf16, 30 layers, GQA 9/3): it answers, its splices answer 200 and keep the cache
-consistent, FORGET equals a fresh prefill. One server per module."""
+real weights, float32 on this CPU (no bf16 units), 30 layers, GQA 9/3): it answers, its splices
+answer 200 and keep the cache consistent, FORGET equals a fresh prefill. The server is the
+session's (``conftest.smollm2_server``), shared with ``test_mini_swe_agent_smollm2.py``."""
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from live import assert_integrity, ns, stats
 from openai import OpenAI
-from requires import require_sglang
 
 from leyline_agent.client import LeylineClient
 from leyline_agent.directive import Directive, Mode
@@ -24,23 +22,9 @@ MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """A fresh server of the model; ``LEYLINE_TEST_SMOLLM2_SERVER=URL``: one started by hand
-    (``LEYLINE_DEBUG_ENDPOINTS=1 leyline serve --model smollm2-135m-instruct``)."""
-    require_sglang()
-    from leyline_agent.backends.sglang.launch import EmbeddedServer
-    from leyline_agent.models import resolve
-
-    url = os.environ.get("LEYLINE_TEST_SMOLLM2_SERVER")
-    if url:
-        yield url
-        return
-
-    model_dir = resolve(MODEL, None)
-    with EmbeddedServer(
-        model_path=model_dir, max_total_tokens=8192, env={"LEYLINE_DEBUG_ENDPOINTS": "1"}
-    ) as srv:
-        yield srv.url
+def server(smollm2_server: str) -> str:
+    """The session's SmolLM2 server (``conftest.smollm2_server``)."""
+    return smollm2_server
 
 
 def _chat_ids(url: str, messages: list[dict[str, str]]) -> list[int]:
