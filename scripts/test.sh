@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lint, format check, type check (mypy) and the whole test suite (CPU; starts a real SGLang server on
-# loopback; about 50 min on 2 cores, -m "not live": the unit tests only, about 2 min).
+# loopback; about an hour on 2 cores, -m "not live": the unit tests only, about 2 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
