@@ -94,10 +94,12 @@ def test_resplice_equals_a_full_tokenization(renderer: Renderer, texts: tuple[st
     if out is not None:
         ids, starts = out
         assert (ids, starts.tolist()) == encode(tok, new)
-        # the runs it reports as copied are the old tokens at those places, and only the window
-        # between them was encoded anew
+        # the runs it reports as copied are the old tokens at those places (how much it keeps
+        # depends on where line cuts fall: a repeated line next to the edit can leave most of a
+        # short text in the window, so no size is asserted here; bench_planning measures it)
         assert all(ids[j : j + n] == old_ids[i : i + n] for i, j, n in kept)
-        assert len(ids) - sum(n for _, _, n in kept) <= len(ids) // 2 + 1 or old == new
+        runs = sorted(kept, key=lambda r: r[1])  # disjoint in the new tokens
+        assert all(a[1] + a[2] <= b[1] for a, b in zip(runs, runs[1:], strict=False))
 
 
 def test_resplice_windows_a_small_edit_of_a_long_text(renderer: Renderer) -> None:
