@@ -6,14 +6,19 @@ import json
 from pathlib import Path
 
 import pytest
-from shared_data import traces_dir
+from shared_data import REPO, shared_dir, traces_dir
 
 from leyline_agent.policies import is_observation
 from leyline_agent.traces import TraceFormatError, load
 
+REPO_TRACES = REPO / "experiments" / "traces"
+
 
 def swe_files() -> list[Path]:
-    return sorted((traces_dir() / "swe-agent").glob("*.traj"))
+    """The SWE-agent trajectories kept in the repository, plus the shared ones where present."""
+    shared = shared_dir("traces")
+    extra = sorted((shared / "swe-agent").glob("*.traj")) if shared else []
+    return sorted((REPO_TRACES / "swe-agent").glob("*.traj")) + extra
 
 
 def check_prefix_growth(turns: list[list[dict]]) -> None:
@@ -71,6 +76,26 @@ def test_text_based_traj_flags_user_observations() -> None:
         m.get("leyline_observation")
         for m in last[: next(i for i, m in enumerate(last) if m["role"] == "assistant")]
     )
+
+
+def test_repository_traces_load() -> None:
+    """experiments/traces: 19 sessions with distinct names (the fidelity bench keys cases by
+    name), every file loaded, only the README and LICENSE skipped; text-based and
+    function-calling runs both give observations that the stale-output policy can stub."""
+    traces = load(REPO_TRACES)
+    assert len(traces) == 19 and len({t.name for t in traces}) == 19
+    assert sorted(Path(s.path).name for s in traces.skipped) == ["LICENSE", "README.md"]
+    turns = {t.name: len(t.turns) for t in traces}
+    assert turns["ctf-web-i_got_id_demo"] == 21 and turns["pydicom-1458"] == 12
+    for t in traces:
+        check_prefix_growth(t.turns)
+        obs = [m for m in t.turns[-1] if is_observation(m)]
+        assert obs, t.name
+        assert {m["role"] for m in obs} == (
+            {"tool"}
+            if t.name.startswith(("marshmallow-1867.function_calling", "sweagenttestrepo"))
+            else {"user"}
+        ), t.name
 
 
 def test_debug_gym_log() -> None:
