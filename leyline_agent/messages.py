@@ -15,7 +15,7 @@ request views in ``chat/`` and the trace loaders, so that each normalises a mess
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 OBSERVATION_KEY = "leyline_observation"
@@ -96,3 +96,28 @@ def tool_call_arguments(call: Mapping[str, Any], as_object: bool) -> Any:
     if as_object:
         return args
     return json.dumps(args, ensure_ascii=False)
+
+
+def flatten(messages: Sequence[Mapping[str, Any]], cap_chars: int) -> list[dict[str, Any]]:
+    """Plain-text messages for a template without tool support, each cut to ``cap_chars``
+    characters: content as one string (``message_text``), an assistant's tool calls appended as
+    ``<tool_call>{"name", "arguments"}</tool_call>`` (JSON), then the first ``cap_chars``
+    characters kept (the head); roles kept (``tool`` included), and ``tool_call_id``, ``name`` and
+    the observation flag kept for the policies. The cut ``leyline bench fidelity --cap-chars`` and
+    ``leyline replay --cap-chars`` make: the same message cuts the same way in every turn, so a
+    trace's turns stay prefixes of each other. Raises ``ValueError`` if ``cap_chars < 1``."""
+    if cap_chars < 1:
+        raise ValueError(f"cap_chars must be >= 1, got {cap_chars}")
+    out = []
+    for m in messages:
+        text = message_text(m) or ""
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", {})
+            body = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+            text += f"\n<tool_call>{json.dumps(body)}</tool_call>"
+        flat = {"role": m.get("role", "user"), "content": text[:cap_chars]}
+        for k in ("tool_call_id", "name", OBSERVATION_KEY):
+            if k in m:
+                flat[k] = m[k]
+        out.append(flat)
+    return out

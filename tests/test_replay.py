@@ -7,14 +7,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from shared_data import shared_dir
 
 from leyline_agent.arms import ARMS, DEFAULT_POLICY
 from leyline_agent.client import LeylineClient
 from leyline_agent.directive import apply_directives
+from leyline_agent.messages import flatten
 from leyline_agent.policies import parse_policy
 from leyline_agent.replay import examples_dir
 from leyline_agent.replay.plots import plot
@@ -23,7 +26,7 @@ from leyline_agent.replay.runner import LevelResult, replay_session, session_ord
 from leyline_agent.replay.spec import ReplaySpec, TurnRow
 from leyline_agent.replay.table import table
 from leyline_agent.runinfo import git_commit
-from leyline_agent.traces import load
+from leyline_agent.traces import Trace, load
 from leyline_agent.wrapper import ConversationWrapper
 
 SHARED_TRACES = shared_dir("traces") or Path("/nonexistent/shared/traces")
@@ -194,12 +197,15 @@ def test_replay_cli_on_examples(leyline_server: str, tmp_path: Path) -> None:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _mock_client(limit: int, status: int = 400) -> LeylineClient:
+def _mock_client(limit: int, status: int = 400, sent: list[int] | None = None) -> LeylineClient:
     """A client whose backend answers ``/generate`` like SGLang: ``status`` for prompts longer
-    than ``limit`` tokens (the context), else one token with nothing cached."""
+    than ``limit`` tokens (the context), else one token with nothing cached; ``sent``: the
+    lengths of the prompts it answered."""
 
     def handle(request: httpx.Request) -> httpx.Response:
         n = len(json.loads(request.content)["input_ids"])
+        if sent is not None and n <= limit:
+            sent.append(n)
         if n > limit:
             msg = f"The input ({n} tokens) is longer than the model's context length ({limit})."
             return httpx.Response(status, json={"error": {"message": msg}})
@@ -233,6 +239,71 @@ def test_a_refused_turn_is_skipped_and_counted() -> None:
     assert t["turns"] == 2 and t["skipped_turns"] == len(sizes) - 2
     assert t["skip_reasons"] == {"HTTP 400": len(sizes) - 2}
     assert t["prompt_tokens"] == sizes[0] + sizes[1]
+
+
+def test_cap_chars_cuts_each_message_to_its_head() -> None:
+    """``--cap-chars N``'s cut (``messages.flatten``, shared with ``bench fidelity``): every
+    message made plain text and cut to its first N characters; roles, tool-call ids and the
+    observation flag kept; tool calls inline as JSON; a message cuts the same way in every turn."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}  # fmt: skip
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You debug code."},
+        {"role": "user", "content": [{"type": "text", "text": "fix"}, "the bug"]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "0123456789" * 50},
+        {"role": "user", "content": "obs " * 40, "leyline_observation": True},
+    ]
+    cut = flatten(msgs, 20)
+    assert [m["content"] for m in cut] == [
+        "You debug code.",
+        "fix the bug",
+        '\n<tool_call>{"name":',
+        "01234567890123456789",
+        "obs obs obs obs obs ",
+    ]
+    assert [m["role"] for m in cut] == [m["role"] for m in msgs]
+    assert cut[3]["tool_call_id"] == "c1" and cut[4]["leyline_observation"] is True
+    assert "tool_calls" not in cut[2]
+    full = flatten(msgs, 10_000)  # above every message's length: nothing cut
+    assert full[3]["content"] == msgs[3]["content"] and full[2]["content"].endswith(
+        '<tool_call>{"name": "read_file", "arguments": "{\\"path\\": \\"a.py\\"}"}</tool_call>'
+    )
+    assert flatten(msgs[:4], 20) == cut[:4]  # the next turn's prefix cuts the same way
+    with pytest.raises(ValueError, match="cap_chars"):
+        flatten(msgs, 0)
+    with pytest.raises(ValidationError):
+        ReplaySpec(traces=["x"], cap_chars=0)
+
+
+def test_cap_chars_fits_a_long_trace_into_the_context() -> None:
+    """A trace whose second turn is longer than the backend's context: refused (skipped with
+    HTTP 400) as recorded; with ``cap_chars`` every turn runs, each prompt within the cut."""
+    base = [
+        {"role": "system", "content": "You debug code."},
+        {"role": "user", "content": "The build fails; find out why."},
+        {"role": "assistant", "content": "Let me read the build log."},
+    ]
+    log = {"role": "tool", "content": " ".join(f"line{i}" for i in range(3000))}
+    turns = [base[:2], [*base, log], [*base, log, {"role": "assistant", "content": "setup.py"}]]
+    trace = Trace("long_log", turns, None, "test")
+    sent: list[int] = []
+    client = _mock_client(1000, sent=sent)
+    rows = replay_session(
+        client, None, parse_policy("none"), "none", trace,  # type: ignore[arg-type]
+        level=1, session_id="uncut", agreement=False,
+    )  # fmt: skip
+    assert [r.skip_reason for r in rows] == [None, "HTTP 400", "HTTP 400"]
+    sent.clear()
+    rows = replay_session(
+        client, None, parse_policy("none"), "none", trace,  # type: ignore[arg-type]
+        level=1, session_id="cut", agreement=False, cap_chars=200,
+    )  # fmt: skip
+    assert [r.error for r in rows] == [None, None, None]
+    assert [r.prompt_tokens for r in rows] == sent and max(sent) < 1000
+    renderer = ConversationWrapper(None, "none").renderer
+    want = renderer.encode(renderer.render_text(flatten(turns[2], 200), add_generation_prompt=True))
+    assert sent[-1] == len(want)
 
 
 def test_a_backend_failure_still_ends_the_run() -> None:

@@ -65,6 +65,15 @@ def replay(
     max_turns: Annotated[
         int | None, typer.Option(min=1, help="replay only the first N turns of each trace")
     ] = None,
+    cap_chars: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="cut each message to its first N characters (made plain text, tool calls "
+            "inline) before a turn is rendered, as bench fidelity --cap-chars: fits long traces "
+            "into a small context",
+        ),
+    ] = None,
     model_path: ServedModelPath = None,
     model: ModelName = None,
     seed: Annotated[int, typer.Option(help="seeds the session submission order")] = spec_default(
@@ -151,6 +160,7 @@ def replay(
             arms=csv(arms),  # type: ignore[arg-type]
             concurrency=levels,
             max_turns=max_turns,
+            cap_chars=cap_chars,
             model_path=str(model_path) if model_path else None,
             backend=backend[0] if backend else None,
             backends=list(backend or []),

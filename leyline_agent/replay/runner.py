@@ -33,6 +33,7 @@ from leyline_agent.arms import Arm, arm_switch
 from leyline_agent.chat.render import Renderer
 from leyline_agent.client import LeylineClient
 from leyline_agent.generate_turn import generate_turn
+from leyline_agent.messages import flatten
 from leyline_agent.policies import Policy, PolicyError, parse_policy
 from leyline_agent.replay.spec import ReplaySpec, TurnRow
 from leyline_agent.routing import home
@@ -57,10 +58,12 @@ def replay_session(
     level: int,
     session_id: str,
     max_turns: int | None = None,
+    cap_chars: int | None = None,
     agreement: bool = True,
     on_turn: Callable[[TurnRow], None] | None = None,
 ) -> list[TurnRow]:
-    """Replay one trace through one arm in a fresh namespace.
+    """Replay one trace through one arm in a fresh namespace; ``cap_chars``: each turn's
+    messages cut first (``messages.flatten``: plain text, each message's first N characters).
 
     A turn that cannot run is skipped (``row.error``, ``row.skip_reason``) and the next one starts
     a fresh prompt: the template or the policy rejects its messages, or the backend refuses the
@@ -81,6 +84,8 @@ def replay_session(
     reference_ns = f"{core.placement.own}:ref"
     rows: list[TurnRow] = []
     for i, messages in enumerate(trace.turns[:max_turns]):
+        if cap_chars is not None:
+            messages = flatten(messages, cap_chars)
         try:
             record, _ = generate_turn(core, messages, trace.tools)
         except (jinja2.TemplateError, PolicyError, httpx.HTTPStatusError) as e:
@@ -184,6 +189,7 @@ def run_level(
                 level=level,
                 session_id=sid[i],
                 max_turns=spec.max_turns,
+                cap_chars=spec.cap_chars,
                 agreement=spec.agreement,
                 on_turn=on_turn,
             )  # fmt: skip

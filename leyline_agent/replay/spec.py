@@ -16,6 +16,9 @@ class ReplaySpec(BaseModel):
     arms: arms to run, in report order.
     concurrency: levels; at each, that many sessions run at once.
     max_turns: replay only the first N turns of each trace (None: all).
+    cap_chars: each message of every turn made plain text and cut to its first N characters
+        before the turn is rendered (``messages.flatten``, the cut of ``leyline bench fidelity
+        --cap-chars``: fits long traces into a small context; None: messages as recorded).
     backend: the first ``--backend`` (None: the embedded server); backends: every one given
         (several: each session runs on its namespace's home backend, ``routing.home``).
     seed: seeds the order in which a level's sessions are submitted.
@@ -29,6 +32,7 @@ class ReplaySpec(BaseModel):
     arms: list[Arm] = Field(default_factory=lambda: list(ARMS), min_length=1)
     concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
     max_turns: int | None = Field(default=None, ge=1)
+    cap_chars: int | None = Field(default=None, ge=1)
     model_path: str | None = None
     backend: str | None = None
     backends: list[str] = Field(default_factory=list)

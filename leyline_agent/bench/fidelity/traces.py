@@ -3,9 +3,9 @@ smollm2-135m-instruct``.
 
 Cases: every turn of every trace whose messages a policy edits, for each of ``policies``
 (``stale_tool_outputs`` keeping the last 0, 1, 2 or 3 steps' outputs: four edits of each turn). A turn's recorded messages are first made plain text and
-fitted to ``budget`` tokens (``fit``: each message's text capped at ``cap_chars`` characters, its
-head kept; then the first message if it is a system prompt plus the longest run of last messages
-that renders within ``budget``); the policy edits the fitted turn. ``full`` is the fitted turn
+fitted to ``budget`` tokens (``fit``: each message's text capped at ``cap_chars`` characters,
+its head kept, by ``messages.flatten``; then the first message if it is a system prompt plus
+the longest run of last messages that renders within ``budget``); the policy edits the fitted turn. ``full`` is the fitted turn
 rendered as is, ``edited`` the policy's version; the directives are the token regions that differ
 (``token_changes``). Per case, on one server, each path in its own namespace:
 
@@ -25,7 +25,6 @@ top-k gets its smallest listed logprob).
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from leyline_agent.directive import Directive, Mode
-from leyline_agent.messages import message_text
+from leyline_agent.messages import flatten
 
 
 @dataclass(frozen=True)
@@ -63,25 +62,6 @@ class Case:
     full: list[int]
     edited: list[int]
     directives: list[Directive]
-
-
-def flatten(messages: Sequence[Mapping[str, Any]], cap_chars: int) -> list[dict[str, Any]]:
-    """Plain-text messages for a template without tool support: content as one string (capped
-    at ``cap_chars``), an assistant's tool calls appended as ``<tool_call>{json}</tool_call>``,
-    roles kept (``tool`` included), observation flags kept for the policies."""
-    out = []
-    for m in messages:
-        text = message_text(m) or ""
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function", {})
-            body = {"name": fn.get("name"), "arguments": fn.get("arguments")}
-            text += f"\n<tool_call>{json.dumps(body)}</tool_call>"
-        flat = {"role": m.get("role", "user"), "content": text[:cap_chars]}
-        for k in ("tool_call_id", "name", "leyline_observation"):
-            if k in m:
-                flat[k] = m[k]
-        out.append(flat)
-    return out
 
 
 def fit(
