@@ -2,11 +2,12 @@
 smollm2-135m-instruct``.
 
 Cases: every turn of every trace whose messages a policy edits, for each of ``policies``
-(``stale_tool_outputs`` keeping the last 0, 1, 2 or 3 steps' outputs: four edits of each turn). A turn's recorded messages are first made plain text and
-fitted to ``budget`` tokens (``fit``: each message's text capped at ``cap_chars`` characters,
-its head kept, by ``messages.flatten``; then the first message if it is a system prompt plus
-the longest run of last messages that renders within ``budget``); the policy edits the fitted turn. ``full`` is the fitted turn
-rendered as is, ``edited`` the policy's version; the directives are the token regions that differ
+(``stale_tool_outputs`` keeping the last 0, 1, 2 or 3 steps' outputs: four edits of each turn). A
+turn's recorded messages are first made plain text and fitted to ``budget`` tokens (``fit``: each
+message's text capped at ``cap_chars`` characters, its head kept, by ``messages.flatten``; then the
+first message if it is a system prompt plus the longest run of last messages that renders within
+``budget``); the policy edits the fitted turn. ``full`` is the fitted turn rendered as is,
+``edited`` the policy's version; the directives are the token regions that differ
 (``token_changes``). Per case, on one server, each path in its own namespace:
 
 - full: ``full`` prefilled, ``new_tokens`` greedy tokens with top-``top_k`` logprobs (the warm,
