@@ -102,11 +102,22 @@ def fidelity(
             "(--n 0: only those; bench/fidelity/composed.py)"
         ),
     ] = 0,
+    task: Annotated[
+        str,
+        typer.Option(
+            help="with --model: traces (the edited turns of --traces) or nl (the carried/direct/"
+            "control task in natural language, --n cases per group; bench/fidelity/nl_task.py)"
+        ),
+    ] = "traces",
+    workers: Annotated[
+        int, typer.Option(min=1, help="with --task nl: cases in flight at once")
+    ] = 1,
 ) -> None:
     """The fidelity experiment (paper §4.3): full context vs AMORTIZE vs FORGET.
 
     With --model NAME (a real model, e.g. smollm2-135m-instruct): the edited turns of --traces
-    on that model instead (leyline_agent/bench/fidelity/traces.py; at most --n cases).
+    on that model instead (leyline_agent/bench/fidelity/traces.py; at most --n cases), or with
+    --task nl the natural-language carried/direct/control task (--n cases per group).
 
     Prints tables, writes results.json, cases-<label>.jsonl (label: the dtype for MLA,
     gqa-<dtype> for GQA) and fidelity.png into --out, then prints one JSON summary as the last
@@ -122,6 +133,17 @@ def fidelity(
             raise typer.BadParameter("the embedded model has random weights", param_hint="--model")
         if dtype and len(dtype) > 1:
             raise typer.BadParameter("with --model, give one --dtype", param_hint="--dtype")
+        if task not in ("traces", "nl"):
+            raise typer.BadParameter(f"--task {task!r}: use traces or nl", param_hint="--task")
+        if task == "nl":
+            from leyline_agent.bench.fidelity.nl_run import run_nl
+
+            d0 = dtype[0] if dtype else None
+            summary = run_nl(
+                model_dir, out, n=n, seed=seed, backend=backend, dtype=d0, workers=workers
+            )
+            typer.echo(json.dumps({"out": str(out), "model": model, "task": "nl", **summary}))
+            return
         summary = run_traces(
             model_dir, traces or [], out, n=n, budget=budget, caps=cap_chars, backend=backend,
             dtype=dtype[0] if dtype else None, rerun=rerun, composed=composed, policies=policy,
