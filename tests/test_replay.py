@@ -276,6 +276,14 @@ def test_cap_chars_cuts_each_message_to_its_head() -> None:
         ReplaySpec(traces=["x"], cap_chars=0)
 
 
+def test_cli_refuses_a_cap_below_one() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "leyline_agent.cli", "replay", "--cap-chars", "0", "--examples"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--cap-chars" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_cap_chars_fits_a_long_trace_into_the_context() -> None:
     """A trace whose second turn is longer than the backend's context: refused (skipped with
     HTTP 400) as recorded; with ``cap_chars`` every turn runs, each prompt within the cut."""
