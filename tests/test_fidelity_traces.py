@@ -1,14 +1,18 @@
 """The real-model fidelity bench's pure parts (``bench/fidelity/traces.py``): Wilson intervals,
-KL from top-k logprobs, fitting a turn into a token budget, and the edited-turn cases built from
-the shared public traces (rendered with the embedded tokenizer; no server)."""
+KL from top-k logprobs, fitting a turn into a token budget, the edited-turn cases built from
+the shared public traces (rendered with the embedded tokenizer; no server), and ``misses.py``'s
+pooling of runs' rows."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from shared_data import traces_dir
 
+from leyline_agent.bench.fidelity import misses
 from leyline_agent.bench.fidelity import traces as tf
 from leyline_agent.chat.model_dir import load_renderer
 from leyline_agent.traces import load
@@ -85,3 +89,40 @@ def test_policy_table_counts_first_tokens_per_policy() -> None:
         f"| keep_last=0 | 2 | 1/2 (50.0%; {lo:.1%}–{hi:.1%}) | 0/2 (0.0%; 0.0%–{tf.wilson(0, 2)[1]:.1%}) |"
     )
     assert lines[3].startswith("| keep_last=2 | 1 | 1/1 (100.0%;") and len(lines) == 4
+
+
+def _case(trace: str, turn: int, full: list[int], edited: list[int]) -> tf.Case:
+    return tf.Case(trace, turn, "keep_last=1", 300, full, edited, [])
+
+
+def _full_row(trace: str, turn: int, full: int, fresh: int, amortize: int, forget: int) -> dict:
+    return {
+        "trace": trace, "turn": turn, "policy": "keep_last=1", "cap": 300,
+        "full": [full], "fresh": [fresh], "amortize": [amortize], "forget": [forget],
+    }  # fmt: skip
+
+
+def test_misses_pools_runs_and_counts_distinct_cases(tmp_path: Path) -> None:
+    """``misses``: several runs' rows pooled (a case met twice kept once, the first run's row),
+    rows whose (full, edited) tokens repeat an earlier row's left out of the distinct set, and
+    the cases where the edit changed the answer counted per arm."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    r1, r2 = _full_row("x", 1, 5, 5, 5, 5), _full_row("x", 2, 5, 6, 5, 6)
+    r3, r4 = _full_row("y", 1, 7, 8, 8, 8), _full_row("y", 2, 7, 7, 7, 7)
+    (a / "cases.jsonl").write_text("\n".join(json.dumps(r) for r in (r1, r2)) + "\n\n")
+    again = {**r2, "amortize": [9]}  # the same case in a later run: dropped
+    (b / "cases.jsonl").write_text("\n".join(json.dumps(r) for r in (again, r3, r4)) + "\n")
+    rows = misses.read_rows([a, b])
+    assert rows == [r1, r2, r3, r4]
+    cases = [
+        _case("x", 1, [1, 2, 3], [1, 3]),
+        _case("x", 2, [1, 2, 4], [1, 4]),
+        _case("y", 1, [1, 2, 3], [1, 3]),  # the same tokens as x turn 1: not distinct
+    ]  # y turn 2 has no case: kept
+    assert misses.distinct(rows, cases) == [r1, r2, r4]
+    assert misses.changed(rows) == (
+        "edit changed the first token (fresh != full): 2 of 4; AMORTIZE kept the full "
+        "context's in 1, FORGET followed the fresh prefill in 2"
+    )
