@@ -32,8 +32,9 @@ def _count(text: str, value: int) -> int:
 
 
 def test_groups_and_where_the_fact_sits(renderer: Any) -> None:
-    cases = list(nt.cases(renderer, 6, seed=3))
-    assert [c.group for c in cases] == list(nt.GROUPS) * 6
+    groups = nt.GROUPS + nt.EXTRA_GROUPS
+    cases = list(nt.cases(renderer, 6, seed=3, groups=groups))
+    assert [c.group for c in cases] == list(groups) * 6
     for c in cases:
         (d,) = c.directives  # one edit: output A's content becomes the stub
         new = c.full[: d.start] + list(d.replacement) + c.full[d.end :]
@@ -43,13 +44,15 @@ def test_groups_and_where_the_fact_sits(renderer: Any) -> None:
         full, edited = renderer.decode(c.full), renderer.decode(c.edited)
         assert full.endswith(f"{c.key}: ") and edited.endswith(f"{c.key}: ")
         restated = _count(full, c.value) - 1  # occurrences besides the fact line
-        if c.group in ("carried", "direct"):
+        if not c.group.endswith("_ctrl"):
             assert d.start <= c.fact[0] and c.fact[1] <= d.end  # the fact is in the stubbed span
             assert _count(edited, c.value) == restated
         else:
             assert c.fact[0] >= d.end  # the fact sits after the stub, untouched
             assert _count(edited, c.value) == restated + 1
         assert (restated >= 1) == c.group.startswith("carried")
+        if c.group.startswith("used"):  # the last assistant turn names the key, not the value
+            assert c.key in str(c.messages[-2]["content"])
 
 
 def test_cases_are_seeded(renderer: Any) -> None:
@@ -59,6 +62,8 @@ def test_cases_are_seeded(renderer: Any) -> None:
     a, b = list(nt.cases(renderer, 3, seed=7)), list(nt.cases(renderer, 3, seed=7))
     assert key(a) == key(b)
     assert key(a) != key(list(nt.cases(renderer, 3, seed=8)))
+    with pytest.raises(ValueError, match="groups"):
+        next(nt.cases(renderer, 1, groups=("carried", "nope")))
 
 
 def test_answer_is_the_first_integer() -> None:

@@ -112,6 +112,13 @@ def fidelity(
     workers: Annotated[
         int, typer.Option(min=1, help="with --task nl: cases in flight at once")
     ] = 1,
+    group: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="with --task nl: a group of cases; repeat for several (default carried, direct, "
+            "carried_ctrl, direct_ctrl; also used, used_ctrl)"
+        ),
+    ] = None,
 ) -> None:
     """The fidelity experiment (paper §4.3): full context vs AMORTIZE vs FORGET.
 
@@ -136,12 +143,17 @@ def fidelity(
         if task not in ("traces", "nl"):
             raise typer.BadParameter(f"--task {task!r}: use traces or nl", param_hint="--task")
         if task == "nl":
+            from leyline_agent.bench.fidelity import nl_task
             from leyline_agent.bench.fidelity.nl_run import run_nl
 
+            groups = group or list(nl_task.GROUPS)
+            if bad := [g for g in groups if g not in nl_task.GROUPS + nl_task.EXTRA_GROUPS]:
+                raise typer.BadParameter(f"unknown group {bad[0]!r}", param_hint="--group")
             d0 = dtype[0] if dtype else None
             summary = run_nl(
-                model_dir, out, n=n, seed=seed, backend=backend, dtype=d0, workers=workers
-            )
+                model_dir, out, n=n, seed=seed, backend=backend, dtype=d0, workers=workers,
+                groups=groups,
+            )  # fmt: skip
             typer.echo(json.dumps({"out": str(out), "model": model, "task": "nl", **summary}))
             return
         summary = run_traces(

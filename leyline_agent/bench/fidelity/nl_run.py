@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -50,7 +51,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per group (and pooled ``real`` = carried + direct, ``control`` = the two controls):
     accuracy of each path against the value, agreement with the full context (first token,
     answer), FORGET = fresh (all tokens), KL medians."""
-    pools = {g: [g] for g in nt.GROUPS} | {
+    pools = {g: [g] for g in nt.GROUPS + nt.EXTRA_GROUPS} | {
         "real": ["carried", "direct"], "control": ["carried_ctrl", "direct_ctrl"]
     }  # fmt: skip
     out: dict[str, Any] = {}
@@ -110,8 +111,9 @@ def run_nl(
     backend: str | None = None,
     dtype: str | None = None,
     workers: int = 1,
+    groups: Sequence[str] = nt.GROUPS,
 ) -> dict[str, Any]:
-    """``n`` cases per group (``nl_task.cases``, groups in turn, so a run stopped early holds
+    """``n`` cases per group of ``groups`` (``nl_task.cases``, groups in turn, so a run stopped early holds
     them evenly) on ``backend`` (default: a ``leyline serve`` of ``model_dir`` started here, in
     ``dtype``: SGLang ``--dtype``, default the model's CPU default); prints the table, writes
     ``OUT/cases.jsonl`` (as rows finish) and ``OUT/results.json``, returns the summary. Ctrl-C
@@ -119,7 +121,7 @@ def run_nl(
     case's paths stay in order, in its own namespaces; the server batches across cases).
 
     Raises:
-        ValueError: ``n`` < 1.
+        ValueError: ``n`` < 1, an unknown group.
     """
     from rich.console import Console
     from rich.progress import track
@@ -132,8 +134,8 @@ def run_nl(
         raise ValueError(f"--n {n}: give at least one case per group")
     err = Console(stderr=True)
     renderer = load_renderer(model_dir)
-    cases = list(nt.cases(renderer, n, seed))
-    err.print(f"{len(cases)} cases ({n} per group, seed {seed}, policy {nt.POLICY})")
+    cases = list(nt.cases(renderer, n, seed, groups))
+    err.print(f"{len(cases)} cases ({n} per group of {', '.join(groups)}, seed {seed})")
     server = None
     if backend is None:
         from leyline_agent.backends.sglang.launch import EmbeddedServer
@@ -164,7 +166,7 @@ def run_nl(
     summary = summarize(rows)
     summary["seconds_per_case"] = (time.perf_counter() - t0) / max(len(rows), 1)
     results = {
-        "task": "nl", "n_per_group": n, "seed": seed, "policy": nt.POLICY, "dtype": dtype,
+        "task": "nl", "n_per_group": n, "groups": list(groups), "seed": seed, "policy": nt.POLICY, "dtype": dtype,
         "new_tokens": NL_TOKENS, "model_dir": str(model_dir), "cases": len(rows),
         "summary": summary, "environment": environment(info),
     }  # fmt: skip

@@ -21,6 +21,11 @@ last 2 steps, which stubs output A (``[evicted: 1 old tool outputs]``) and keeps
 | direct | output A (stubbed) | does not mention it: the answer needs the removed output itself |
 | carried_ctrl | output B (kept) | restates or uses the value |
 | direct_ctrl | output B (kept) | does not mention it |
+| used (extra) | output A (stubbed) | names the key, not the value ("I'll keep retries as it is.") |
+| used_ctrl (extra) | output B (kept) | names the key, not the value |
+
+``used`` is the synthetic task's ``carried`` (``USE K_j`` with ``X`` = ``MASK``): a later turn
+read the fact without restating it, so after the stub only the kept KV of that turn can hold it.
 
 The value is a number that occurs nowhere else in the conversation (checked on the text, digit
 boundaries), so in ``direct`` the edited conversation does not hold it at all.
@@ -31,13 +36,14 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from leyline_agent.directive import Directive
 
 GROUPS = ("carried", "direct", "carried_ctrl", "direct_ctrl")
+EXTRA_GROUPS = ("used", "used_ctrl")
 POLICY = "stale_tool_outputs:keep_last=2"
 SERVICES = ("billing", "auth", "search", "ingest", "notifier", "gateway", "scheduler", "reports")
 KEYS = (
@@ -52,6 +58,12 @@ CARRY = (
     "I'll set {k} to {v} then, as the config file says.",
     'I\'ll use {k}={v} for the next run.\n<tool_call>{{"name": "bash", "arguments": '
     '{{"command": "export {K}={v}"}}}}</tool_call>',
+)
+USE = (
+    "Noted the {k} value from the config; I'll keep {k} as it is.",
+    "OK, I'll leave {k} unchanged, exactly as the config file sets it.",
+    "The {k} setting looks fine to me, so I won't change it.",
+    "I'll use the same {k} as the config file in the next run.",
 )
 NEUTRAL = (
     "OK, I have read the config file and the other output.",
@@ -142,7 +154,7 @@ def conversation(rng: random.Random, group: str) -> tuple[list[dict[str, Any]], 
     first = [(cfg_text, cfg_call, config), (noise_text, noise_call, noise)]
     if group.endswith("_ctrl"):
         first.reverse()
-    r = rng.choice(CARRY if group.startswith("carried") else NEUTRAL)
+    r = rng.choice({"carried": CARRY, "used": USE}.get(group.removesuffix("_ctrl"), NEUTRAL))
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {
@@ -160,11 +172,13 @@ def conversation(rng: random.Random, group: str) -> tuple[list[dict[str, Any]], 
     return msgs, key, value, f"{key}: {value}"
 
 
-def cases(renderer: Any, n: int, seed: int = 1) -> Iterator[NLCase]:
+def cases(renderer: Any, n: int, seed: int = 1, groups: Sequence[str] = GROUPS) -> Iterator[NLCase]:
     """``n`` cases per group, the groups in turn (``carried, direct, carried_ctrl, direct_ctrl,
-    carried, ...``), deterministic in ``seed``; ``renderer``: the model's ``Renderer``.
+    carried, ...``), deterministic in ``seed`` and ``groups``; ``renderer``: the model's
+    ``Renderer``.
 
     Raises:
+        ValueError: an unknown group (``GROUPS``, ``EXTRA_GROUPS``).
         ValueError: the policy left a case unedited, or the fact line is not found once in the
             rendered text (a template that rewrites message text).
     """
@@ -173,10 +187,13 @@ def cases(renderer: Any, n: int, seed: int = 1) -> Iterator[NLCase]:
     from leyline_agent.policies.protocol import Conversation
     from leyline_agent.token_changes import token_changes
 
+    bad = [g for g in groups if g not in GROUPS + EXTRA_GROUPS]
+    if bad or not groups:
+        raise ValueError(f"groups {bad or '(none)'}: use {', '.join(GROUPS + EXTRA_GROUPS)}")
     policy = parse_policy(POLICY)
     rng = random.Random(seed)
     for i in range(n):
-        for group in GROUPS:
+        for group in groups:
             msgs, key, value, line = conversation(rng, group)
             counts = [len(renderer.encode(str(m["content"]))) + 4 for m in msgs]
             conv = Conversation(
