@@ -27,6 +27,7 @@ from leyline_agent.chat.openai import (
     pop_prompt_ids,
     read_usage,
     renders_developer,
+    served_message,
 )
 from leyline_agent.chat.request import (
     final_assistant,
@@ -35,7 +36,7 @@ from leyline_agent.chat.request import (
     request_error,
     template_kwargs,
 )
-from leyline_agent.markers import Marker, breakpoint_error, cache_markers
+from leyline_agent.markers import Marker, Marks, breakpoint_error, cache_markers, message_marks
 from leyline_agent.policies.protocol import Policy
 from leyline_agent.session import Pending, SessionCore
 
@@ -65,13 +66,15 @@ class ChatTurn:
         return pop_prompt_ids(data, keep=self.keep_ids)
 
 
-def request_refusal(body: Any) -> str | None:
+def request_refusal(body: Any, known: int = 0, marks: Marks = None) -> str | None:
     """Why the backend would refuse this chat body with a 400 before templating (None: it may
     not): ``chat.request.request_error``, a ``cache_salt`` that is not a string, and more
-    ``cache_control`` breakpoints than Anthropic allows (``markers.breakpoint_error``)."""
-    refused = request_error(body)
+    ``cache_control`` breakpoints than Anthropic allows (``markers.breakpoint_error``).
+    ``known``, ``marks``: the first messages are known to pass, and every message's markers
+    (``SessionCore.seen``)."""
+    refused = request_error(body, known)
     if refused is None:
-        refused = breakpoint_error(body["messages"], body.get("tools"))
+        refused = breakpoint_error(body["messages"], body.get("tools"), marks)
     if refused is None and not isinstance(body.get("cache_salt") or "", str):
         refused = "'cache_salt' must be a string"
     if refused is None and not isinstance(body.get("lora_path") or "", str):
@@ -137,18 +140,29 @@ def prepare(
         PolicyError, DirectiveError: the policy's edits cannot be applied.
         jinja2.TemplateError: the chat template refused the messages.
     """
-    refused = request_refusal(body)
+    # NOTE: the messages the session's last request held (resent every turn) are checked,
+    # served and read for markers once (``SessionCore.seen``)
+    seen, listed = core.seen, body.get("messages") if isinstance(body, Mapping) else None
+    known = seen.known(listed)
+    marks = None
+    if known and isinstance(listed, list):
+        marks = [*seen.marks[:known], *map(message_marks, listed[known:])]
+    refused = request_refusal(body, known, marks)
     if refused is not None:
         raise RequestRefused(refused)
     messages: Sequence[Mapping[str, Any]] = body["messages"]
+    marks = marks or [message_marks(m) for m in messages]
+    served = [*seen.served[:known], *map(served_message, messages[known:])]
+    seen.update(messages, known, served, marks)
     tools = body.get("tools") or None
     core.set_cache_salt(body.get("cache_salt"))
     core.set_adapter(inband.lora_adapter(body))
     cont = bool(body.get("continue_final_message"))
     developer = not renders_developer(core.wrapper.renderer)  # sent as system where not served
     view, view_tools = chat_request_view(
-        messages, tools, body.get("tool_choice"), cont, developer_as_system=developer
-    )
+        messages, tools, body.get("tool_choice"), cont, developer_as_system=developer,
+        served=served,
+    )  # fmt: skip
     final: dict[str, Any] | None = None
     continued: str | None = None
     if cont:
@@ -185,7 +199,7 @@ def prepare(
             forward["return_input_ids_in_sglext"] = True
     elif check:
         forward["return_prompt_token_ids"] = True
-    markers = cache_markers(messages, tools)
+    markers = cache_markers(messages, tools, marks)
     last = markers[-1] if markers else None
     return ChatTurn(pending, forward, messages, tools, last, keep, markers, edit)
 

@@ -34,6 +34,7 @@ _TTL = re.compile(r"^\s*([-+]?\d+(?:\.\d*)?|[-+]?\.\d+)\s*([smhd]?)\s*$")
 _UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_BREAKPOINTS = 4  # Anthropic's limit on blocks with cache_control in one request
 TOOLS = -1  # ``Marker.message`` of a marker on the tool definitions
+Marks = Sequence[Sequence[Mapping[str, Any]]] | None  # each message's ``message_marks``, if known
 TtlNote = Literal["clamped", "invalid"]
 
 
@@ -83,7 +84,7 @@ def _marker(holder: Any) -> Mapping[str, Any] | None:
     return mark if isinstance(mark, Mapping) and mark.get("type") == "ephemeral" else None
 
 
-def _message_marks(message: Any) -> list[Mapping[str, Any]]:
+def message_marks(message: Any) -> list[Mapping[str, Any]]:
     """Every ephemeral marker of a message: its own, then its content parts' in order."""
     marks = [m] if (m := _marker(message)) is not None else []
     content = message.get("content") if isinstance(message, Mapping) else None
@@ -103,7 +104,7 @@ def _tool_marks(tools: Any) -> list[Mapping[str, Any]]:
 
 def message_marker(message: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The message's own ephemeral marker, else its last content part's that has one."""
-    marks = _message_marks(message)
+    marks = message_marks(message)
     return marks[-1] if marks else None
 
 
@@ -118,14 +119,17 @@ def _breakpoint(index: int, marks: Sequence[Mapping[str, Any]]) -> Marker:
     return best
 
 
-def marker_count(messages: Sequence[Any], tools: Any = None) -> int:
-    """Blocks carrying an ephemeral marker: messages, content parts, tool definitions."""
-    return len(_tool_marks(tools)) + sum(len(_message_marks(m)) for m in messages)
+def marker_count(messages: Sequence[Any], tools: Any = None, marks: Marks = None) -> int:
+    """Blocks carrying an ephemeral marker: messages, content parts, tool definitions.
+    ``marks``: each message's ``message_marks``, when known."""
+    if marks is None:
+        marks = [message_marks(m) for m in messages]
+    return len(_tool_marks(tools)) + sum(map(len, marks))
 
 
-def breakpoint_error(messages: Sequence[Any], tools: Any = None) -> str | None:
+def breakpoint_error(messages: Sequence[Any], tools: Any = None, marks: Marks = None) -> str | None:
     """Anthropic's refusal (400) of more than ``MAX_BREAKPOINTS`` marked blocks; None: fine."""
-    found = marker_count(messages, tools)
+    found = marker_count(messages, tools, marks)
     if found <= MAX_BREAKPOINTS:
         return None
     return (
@@ -133,13 +137,16 @@ def breakpoint_error(messages: Sequence[Any], tools: Any = None) -> str | None:
     )
 
 
-def cache_markers(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[Marker]:
+def cache_markers(
+    messages: Sequence[Mapping[str, Any]], tools: Any = None, marks: Marks = None
+) -> list[Marker]:
     """Every breakpoint, in prompt order: the tools (``TOOLS``) when a tool is marked, then each
-    marked message; each with the longest TTL among its markers."""
-    out = [_breakpoint(TOOLS, marks)] if (marks := _tool_marks(tools)) else []
-    for i, message in enumerate(messages):
-        if marks := _message_marks(message):
-            out.append(_breakpoint(i, marks))
+    marked message; each with the longest TTL among its markers. ``marks``: each message's
+    ``message_marks``, when known."""
+    out = [_breakpoint(TOOLS, found)] if (found := _tool_marks(tools)) else []
+    if marks is None:
+        marks = [message_marks(m) for m in messages]
+    out += [_breakpoint(i, found) for i, found in enumerate(marks) if found]
     return out
 
 

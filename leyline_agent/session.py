@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from leyline_agent.accounting import SpliceOutcome, TurnRecord, best_reused
+from leyline_agent.chat.seen import SeenMessages
 from leyline_agent.client import LeylineClient, SpliceRejected
 from leyline_agent.placement import DEFAULT_SHARED_NAMESPACE, Placement
 from leyline_agent.placement import namespace as _namespace
@@ -85,6 +86,7 @@ class SessionCore:
             client, own, shared=shared_namespace, salt=cache_salt, share_exact=share_exact
         )
         self.pins = SessionPins(self.placement)
+        self.seen = SeenMessages()  # the last request's messages, checked (``chat_turn``)
         self.splice_enabled = splice
         self.records: list[TurnRecord] = []
         # the versions the session's splices went through (wire.state_id), the last 64

@@ -3,7 +3,8 @@ latency goes when the backend's time is taken out.
 
 The same conversation (an assistant tool call, a ``--words-per-output`` tool output and a user
 nudge per turn) grows to ``--target`` tokens; every turn's body goes through what the proxy does
-with it: ``parse`` (the request JSON), ``prepare`` (``chat_turn.prepare``: request checks, view,
+with it: ``parse`` (the request JSON), ``precheck`` (``serve_turn``'s check before it finds the
+session), ``prepare`` (``chat_turn.prepare``: request checks, view,
 policy and plan; no splice is sent for appended turns under ``--policy none``), ``forward_json``
 (the body to the backend), ``answer_parse`` (the backend's answer, with the prompt token ids on
 the turns the proxy asks for them: ``chat_turn.render_check``), ``complete``
@@ -31,7 +32,9 @@ from bench_proxy_overhead import tool_output
 
 from leyline_agent import chat_turn
 from leyline_agent.chat.model_dir import load_renderer
+from leyline_agent.chat.request import may_hold_surrogates, request_error
 from leyline_agent.client import LeylineClient
+from leyline_agent.proxy import fastjson
 from leyline_agent.session import SessionCore
 from leyline_agent.wrapper import ConversationWrapper
 
@@ -62,11 +65,13 @@ def main() -> None:
         raw = json.dumps(body).encode()
         w0 = time.perf_counter()
         marks = {"start": time.thread_time()}
-        parsed = json.loads(raw)
+        parsed = fastjson.loads(raw)
         marks["parse"] = time.thread_time()
+        assert request_error(parsed, text=may_hold_surrogates(raw)) is None  # serve_turn's
+        marks["precheck"] = time.thread_time()
         ct = chat_turn.prepare(core, parsed)
         marks["prepare"] = time.thread_time()
-        json.dumps(ct.body)
+        fastjson.dumps(ct.body)
         marks["forward_json"] = time.thread_time()
         ids = ct.pending.plan.tokens
         choice = {"index": 0, "message": {"role": "assistant", "content": "a"}}
@@ -86,7 +91,7 @@ def main() -> None:
         }
         raw_answer = json.dumps(answer).encode()
         marks["backend_json"] = time.thread_time()
-        data = json.loads(raw_answer)
+        data = fastjson.loads(raw_answer)
         marks["answer_parse"] = time.thread_time()
         chat_turn.complete(core, ct, data, request_ms=1.0, prompt_ids=ct.prompt_ids(data))
         marks["complete"] = time.thread_time()

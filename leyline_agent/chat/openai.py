@@ -67,6 +67,7 @@ def chat_request_view(
     tool_choice: Any = None,
     continue_final_message: bool = False,
     developer_as_system: bool = False,
+    served: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and tools of a chat request as SGLang's chat template will see them.
 
@@ -80,22 +81,22 @@ def chat_request_view(
     would then miss). This view is a fixed point of that normalisation: send it and render it,
     and both sides agree. Semantics are unchanged. ``developer_as_system``: a ``developer``
     message is sent as ``system`` (for a template that does not render the role, see
-    ``renders_developer``).
+    ``renders_developer``). ``served``: each message's ``served_message``, when known (a
+    session's ``seen.SeenMessages``).
     """
     if tools and tool_choice == "none":
         tools = None
     elif tools and isinstance(tool_choice, Mapping):
         name = (tool_choice.get("function") or {}).get("name")
         tools = [t for t in tools if (t.get("function") or {}).get("name") == name] or None
-    served = [served_message(m) for m in messages]
+    out = list(served) if served is not None else [served_message(m) for m in messages]
     if developer_as_system:
-        served = [
-            {**m, "role": "system"} if str(m.get("role")).lower() == "developer" else m
-            for m in served
+        out = [
+            {**m, "role": "system"} if str(m.get("role")).lower() == "developer" else m for m in out
         ]
     if not continue_final_message:
-        served = final_assistant(served)[0]
-    return served, sglang_tools(tools)
+        out = final_assistant(out)[0]
+    return out, sglang_tools(tools)
 
 
 def pop_prompt_ids(data: dict[str, Any], keep: bool = False) -> list[int] | None:

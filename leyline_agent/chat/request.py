@@ -18,6 +18,7 @@ length checks, without importing SGLang:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -103,17 +104,34 @@ def _unicode_error(value: Any, where: str) -> str | None:
     return None
 
 
-def text_error(body: Mapping[str, Any]) -> str | None:
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def may_hold_surrogates(raw: bytes) -> bool:
+    """Whether the JSON document ``raw`` may decode to a string with a surrogate (False: none).
+
+    Only a ``\\uD800``-``\\uDFFF`` escape writes one: UTF-8 cannot encode a surrogate, and a
+    decoder refuses such bytes. One scan in C; a pair (an escaped emoji) or an escaped backslash
+    before ``uD8`` also answers True, and ``text_error`` then tells.
+    """
+    return _SURROGATE_ESCAPE.search(raw) is not None
+
+
+def text_error(body: Mapping[str, Any], known: int = 0) -> str | None:
     """Why a request body's text is refused (None: every string in it is valid Unicode).
 
     A lone surrogate (``"\\udcff"``: what JSON encoders write for bytes decoded with
     ``errors="surrogateescape"``, e.g. a tool's binary output) cannot be encoded as UTF-8: the
     backend's JSON parser refuses the body (400) and no tokenizer can encode it. Checked in every
-    string of the body: contents and content parts, names, tool-call arguments, tool schemas.
+    string of the body: contents and content parts, names, tool-call arguments, tool schemas;
+    ``known``: the first messages are known to pass (``seen.SeenMessages``), not checked again.
     """
+    rest = body
+    if known and isinstance(body.get("messages"), list):
+        rest = {**body, "messages": body["messages"][known:]}
     try:  # NOTE: one pass in C (a surrogate in any key or value fails the encode); the path to
         # it is looked for only then
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        json.dumps(rest, ensure_ascii=False).encode("utf-8")
         return None
     except (UnicodeEncodeError, TypeError, ValueError):
         pass
@@ -130,7 +148,7 @@ def text_error(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def request_error(body: Any) -> str | None:
+def request_error(body: Any, known: int = 0, text: bool = True) -> str | None:
     """Why the backend would refuse this chat-completions body with a 400 (None: it may not).
 
     Checks only what SGLang 0.5.23 refuses for every model: the body shape, each message's role,
@@ -139,20 +157,23 @@ def request_error(body: Any) -> str | None:
     does (SGLang accepts it), a ``tool`` message without a ``tool_call_id``: which call it
     answers cannot be told. Template errors (a role the template does not render) come from
     rendering.
+
+    ``known``: the first messages are known to pass (``seen.SeenMessages``: a session's last
+    request held them), not checked again. ``text=False``: the shape only, not the Unicode.
     """
     if not isinstance(body, Mapping):
         return "the request body must be a JSON object"
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list"
-    for k, m in enumerate(messages):
-        error = _message_error(k, m)
+    for k in range(known, len(messages)):
+        error = _message_error(k, messages[k])
         if error is not None:
             return error
     n = body.get("n", 1)
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         return "'n' must be an integer >= 1"
-    return text_error(body)
+    return text_error(body, known) if text else None
 
 
 def max_new_tokens(body: Mapping[str, Any]) -> int | None:

@@ -40,11 +40,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from leyline_agent import gateway
 from leyline_agent.accounting import TurnRecord
-from leyline_agent.chat.request import request_error
+from leyline_agent.chat.request import may_hold_surrogates, request_error
 from leyline_agent.chat_turn import ChatTurn, RequestRefused, complete, prepare
 from leyline_agent.directive import DirectiveError
 from leyline_agent.policies import Policy, PolicyError
 from leyline_agent.proxy.auth import tenant_of
+from leyline_agent.proxy import fastjson
 from leyline_agent.proxy.backends import Backend
 from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER, public_ids, session_keys
 from leyline_agent.proxy.relay import StreamEnd, relay
@@ -166,8 +167,9 @@ async def _post(
     headers = gateway.routing_headers(core) if gw else None
     while True:
         req = backend.http.build_request(
-            "POST", "/v1/chat/completions", json=turn.body, headers=headers
-        )
+            "POST", "/v1/chat/completions", content=fastjson.dumps(turn.body),
+            headers={**(headers or {}), "content-type": "application/json"},
+        )  # fmt: skip
         r = await backend.http.send(req, stream=stream)
         if not gw:
             return r
@@ -186,20 +188,25 @@ async def _post(
 
 async def chat_completions(proxy: LeylineProxy, request: Request) -> Response:
     """``POST /v1/chat/completions``: the body, then ``serve_turn`` with the chat view."""
+    raw = await request.body()
     try:
-        body = await request.json()
+        body = fastjson.loads(raw)
     except ValueError:
         return error_response(400, "the request body is not JSON", "invalid_request_error")
-    return await serve_turn(proxy, request, body, ChatView())
+    return await serve_turn(proxy, request, body, ChatView(), raw=raw)
 
 
-async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: ChatView) -> Response:
+async def serve_turn(
+    proxy: LeylineProxy, request: Request, body: Any, view: ChatView, raw: bytes | None = None
+) -> Response:
     """One turn of a chat-completions ``body`` (see the module docstring), answered through
     ``view``; errors as ``app.py`` describes. The turn goes to the session's backend
     (``BackendPool.route``); one that cannot be connected to is marked down and the turn is
-    planned again on the session's next backend (failover), until none is up."""
+    planned again on the session's next backend (failover), until none is up. ``raw``: the
+    body's JSON bytes, when ``body`` is the client's own (its text is then checked only where
+    they may hold a surrogate: ``may_hold_surrogates``)."""
     proxy.routes.request(view.route)
-    refused = request_error(body)
+    refused = request_error(body, text=raw is None or may_hold_surrogates(raw))
     if refused is not None:
         return view.refused(refused, {})
     messages = body["messages"]
@@ -281,7 +288,7 @@ async def serve_turn(proxy: LeylineProxy, request: Request, body: Any, view: Cha
         if r.status_code != 200:
             turn.failed(t0, r.status_code)
             return view.backend_failed(r, headers)
-        data = r.json()
+        data = fastjson.loads(r.content)
         record = turn.finish(data, request_ms=request_ms, prompt_ids=prepared.prompt_ids(data))
         if markers and record.error is None:
             await proxy.retention.pin_turn(session, pending, markers)
