@@ -146,9 +146,10 @@ def align_messages(
     their own trailing ``insert`` (a changed last message is paired with the first new one).
     ``old_keys``/``new_keys``: the lists' ``message_key``s where already known.
 
-    Where every old message but at most one (not the last) is at the same index in ``new`` (a
-    turn that appends, stubs one output or rewrites the first message), the opcodes are read
-    off that (what difflib gives there too) and difflib is not run."""
+    Where every old message but a few (not the last) is at the same index in ``new`` (a turn
+    that appends, stubs outputs or rewrites the first message), the opcodes are read off that
+    (what difflib gives there too, unless a changed message equals another one) and difflib is
+    not run."""
     ok = old_keys if old_keys is not None else [message_key(m) for m in old]
     nk = new_keys if new_keys is not None else [message_key(m) for m in new]
     ops = _index_aligned(ok, nk)
@@ -164,26 +165,37 @@ def align_messages(
 
 
 def _index_aligned(ok: Sequence[Hashable], nk: Sequence[Hashable]) -> list[Opcode] | None:
-    """Opcodes when ``nk`` holds ``ok`` at the same indices but for one message (not the last
-    old one), then appended ones; None otherwise (keys compared by identity first: O(messages)
-    pointer checks for keys carried over from the last turn)."""
+    """Opcodes when ``nk`` holds ``ok`` at the same indices but for a few messages (at most
+    ``_MAX_REPLACED``, not the last old one: each run of them a ``replace``), then appended ones;
+    None otherwise (keys compared by identity first: O(messages) pointer checks for keys carried
+    over from the last turn)."""
     n = len(ok)
     if len(nk) < n:
         return None
-    bad = -1
+    bad: list[int] = []
     for i in range(n):
         if ok[i] is not nk[i] and ok[i] != nk[i]:
-            if bad >= 0 or i == n - 1:
+            if len(bad) == _MAX_REPLACED or i == n - 1:
                 return None
-            bad = i
+            bad.append(i)
     ops: list[Opcode] = []
-    runs = [(0, n)] if bad < 0 else [(0, bad), (bad, bad + 1), (bad + 1, n)]
-    for a, b in runs:
-        if a < b:
-            ops.append(("replace" if a == bad else "equal", a, b, a, b))
+    at = 0
+    for i in bad:
+        if ops and ops[-1][0] == "replace" and ops[-1][2] == i:  # NOTE: a run of changed ones
+            ops[-1] = ("replace", ops[-1][1], i + 1, ops[-1][3], i + 1)
+        else:
+            if at < i:
+                ops.append(("equal", at, i, at, i))
+            ops.append(("replace", i, i + 1, i, i + 1))
+        at = i + 1
+    if at < n:
+        ops.append(("equal", at, n, at, n))
     if len(nk) > n:
         ops.append(("insert", n, n, n, len(nk)))
     return ops
+
+
+_MAX_REPLACED = 8  # changed messages read off by index (a policy stubs a few per turn)
 
 
 def _bounds(rendered: Rendered) -> list[int]:
