@@ -89,20 +89,42 @@ def environment(
     }
 
 
+# A busy CPU server answers its probes late: /leyline/stats waits for the scheduler's batch.
+PROBE_TIMEOUTS = (10.0, 60.0, 120.0)
+
+
+def _probe(http: httpx.Client, path: str) -> httpx.Response:
+    """GET ``path``, a timed-out attempt retried with the next of ``PROBE_TIMEOUTS`` (seconds).
+
+    Raises:
+        httpx.HTTPError: the last attempt failed (a timeout after all of them, or any other).
+    """
+    for timeout in PROBE_TIMEOUTS[:-1]:
+        try:
+            return http.get(path, timeout=timeout)
+        except httpx.TimeoutException:
+            continue
+    return http.get(path, timeout=PROBE_TIMEOUTS[-1])
+
+
 def backend_info(http: httpx.Client) -> dict[str, Any]:
     """What the backend at ``http.base_url`` serves: ``url``, SGLang's ``/get_model_info``
     (``model_path``, ``load_format``: ``"dummy"`` for random weights, ``model_type``; or
-    ``model_info_error``) and ``leyline`` (it answers ``/leyline/stats``: it can splice)."""
+    ``model_info_error``) and ``leyline`` (it answers ``/leyline/stats``: it can splice; False
+    with ``leyline_error`` when the probe failed). A probe that times out is retried with longer
+    timeouts (``PROBE_TIMEOUTS``): a loaded server is slow, not a different server (a 10 s
+    timeout once skipped a run's splice arm here, at load 16 on 2 cores)."""
     info: dict[str, Any] = {"url": str(http.base_url).rstrip("/")}
     try:
-        r = http.get("/get_model_info", timeout=10)
+        r = _probe(http, "/get_model_info")
         r.raise_for_status()
         data = r.json()
         info.update({k: data.get(k) for k in ("model_path", "load_format", "model_type")})
     except (httpx.HTTPError, ValueError) as e:
         info["model_info_error"] = repr(e)
     try:
-        info["leyline"] = http.get("/leyline/stats", timeout=10).status_code == 200
-    except httpx.HTTPError:
+        info["leyline"] = _probe(http, "/leyline/stats").status_code == 200
+    except httpx.HTTPError as e:
         info["leyline"] = False
+        info["leyline_error"] = repr(e)
     return info
