@@ -44,8 +44,8 @@ from leyline_agent.chat.request import may_hold_surrogates, request_error
 from leyline_agent.chat_turn import ChatTurn, RequestRefused, complete, prepare
 from leyline_agent.directive import DirectiveError
 from leyline_agent.policies import Policy, PolicyError
-from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy import fastjson
+from leyline_agent.proxy.auth import tenant_of
 from leyline_agent.proxy.backends import Backend
 from leyline_agent.proxy.identity import FORK_HEADER, SESSION_HEADER, public_ids, session_keys
 from leyline_agent.proxy.relay import StreamEnd, relay
