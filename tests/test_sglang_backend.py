@@ -291,3 +291,46 @@ def test_allocator_integrity_after_random_splices_and_generates(http: httpx.Clie
     assert ops["ok"] > 100
     for k, toks in live.items():
         assert gen(http, toks + [1], k)["cached_tokens"] == len(toks)
+
+
+def test_concurrent_splices_are_in_flight_together_and_answered_each_its_own(
+    http: httpx.Client,
+) -> None:
+    """Eight splices sent at once on eight namespaces (``mux.RidMux``; SGLang's own control
+    communicator would queue them one at a time): each reply is its own request's (the
+    replacement lengths differ, so ``prefilled`` and ``new_length`` name the request), every
+    edited sequence is cached afterwards and the allocator is intact."""
+    import asyncio
+
+    keys = [ns() for _ in range(8)]
+    seqs = {k: cached_seq(http, 48, seed=300 + i, key=k) for i, k in enumerate(keys)}
+    plans = {
+        k: [{"start": 10, "end": 14, "replacement": seq(1 + i, 400 + i)}]
+        for i, k in enumerate(keys)
+    }
+
+    async def all_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=300) as ac:
+            return await asyncio.gather(
+                *(
+                    ac.post(
+                        "/leyline/splice",
+                        json={"tokens": seqs[k], "directives": plans[k], "extra_key": k},
+                    )
+                    for k in keys
+                )
+            )
+
+    replies = asyncio.run(all_at_once())
+    for i, (k, r) in enumerate(zip(keys, replies, strict=True)):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["prefilled"] == 1 + i and body["prefix_reused"] == 10
+        assert body["new_length"] == 48 - 4 + 1 + i and body["rotated"] == 48 - 14
+        new = apply(seqs[k], plans[k])
+        assert gen(http, new + [1], k)["cached_tokens"] == len(new)
+    st = http.get("/leyline/stats").json()
+    assert st["control"]["in_flight_max"] >= 2, st["control"]  # the queueing one: 1
+    assert st["control"]["in_flight"] == 0
+    st = stats(http)
+    assert st["ok"] and st["duplicate_slots"] == 0, st

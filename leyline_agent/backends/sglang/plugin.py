@@ -13,7 +13,9 @@ detokenizer), then applies the hooks. Each hook is small and named for what it c
 - ``pin_to_dp_rank`` (BEFORE ``TokenizerManager.generate_request``): with ``--dp-size`` > 1 a
   request with a cache namespace goes to that namespace's home DP rank (``dp.py``).
 - ``add_communicators``: the tokenizer manager gets ``leyline_splice_communicator`` and
-  ``leyline_inspect_communicator`` (``_COMMUNICATOR_SPECS``, read when it is built).
+  ``leyline_inspect_communicator`` (``_COMMUNICATOR_SPECS``, read when it is built);
+  ``mux.install`` (AFTER ``TokenizerManager.init_communicators``) makes each a ``RidMux``: any
+  number in flight, replies matched by ``rid`` (SGLang's own queue one at a time).
 - ``add_http_routes`` (main process only): ``POST /leyline/splice``, ``/leyline/fork``,
   ``/leyline/pin``, ``/leyline/unpin``, ``GET /leyline/stats``, and
   with ``LEYLINE_DEBUG_ENDPOINTS=1`` ``POST /leyline/debug/inspect`` (KV rows, for tests).
@@ -59,6 +61,13 @@ def register() -> None:
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
         pin_to_dp_rank,
         HookType.BEFORE,
+    )
+    from leyline_agent.backends.sglang.mux import install
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_communicators",
+        install,
+        HookType.AFTER,
     )
     if multiprocessing.parent_process() is None:
         add_http_routes()
@@ -148,15 +157,15 @@ def add_splice_dispatch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
 
     def on_splice(req: p.SpliceReqInput) -> p.SpliceReqOutput:
         if req.dp_rank is not None and req.dp_rank != me:
-            return p.SpliceReqOutput(status=NOT_MINE, body="{}", dp_rank=me)
+            return p.SpliceReqOutput(status=NOT_MINE, body="{}", dp_rank=me, rid=req.rid)
         status, body = executor.handle(req.payload, getattr(req, "op", "splice"))
-        return p.SpliceReqOutput(status=status, body=body, dp_rank=me)
+        return p.SpliceReqOutput(status=status, body=body, dp_rank=me, rid=req.rid)
 
     def on_inspect(req: p.InspectReqInput) -> p.InspectReqOutput:
         if req.dp_rank is not None and req.dp_rank != me:
-            return p.InspectReqOutput(status=NOT_MINE, body="{}", dp_rank=me)
+            return p.InspectReqOutput(status=NOT_MINE, body="{}", dp_rank=me, rid=req.rid)
         status, body = handle_inspect(executor.served, req.payload)
-        return p.InspectReqOutput(status=status, body=body, dp_rank=me)
+        return p.InspectReqOutput(status=status, body=body, dp_rank=me, rid=req.rid)
 
     handlers: list[tuple[type, Callable[..., Any]]] = [
         (p.SpliceReqInput, on_splice),

@@ -21,6 +21,7 @@ from leyline_agent.backends.sglang.dp import (
     rank_of_pin,
 )
 from leyline_agent.backends.sglang.ipc import InspectReqInput, SpliceReqInput
+from leyline_agent.backends.sglang.mux import RidMux
 from leyline_agent.wire import (
     ForkRequest,
     PinRequest,
@@ -138,8 +139,13 @@ async def _inspect(payload: dict) -> JSONResponse:
 
 async def stats() -> JSONResponse:
     """Allocator and tree counters (free + cached + in use == total); with ``--dp-size`` > 1
-    summed over the DP ranks, each rank's under ``dp_workers``."""
-    return await _inspect({"op": "stats"})
+    summed over the DP ranks, each rank's under ``dp_workers``. ``control``: the splice
+    communicator's requests and how many were in flight at once (``mux.RidMux.figures``)."""
+    resp = await _inspect({"op": "stats"})
+    comm = getattr(_tokenizer_manager(), "leyline_splice_communicator", None)
+    if resp.status_code != 200 or not isinstance(comm, RidMux):
+        return resp
+    return JSONResponse({**json.loads(bytes(resp.body)), "control": comm.figures()})
 
 
 async def debug_inspect(request: Request) -> JSONResponse:
