@@ -460,3 +460,36 @@ def test_fp8_dequantize_rotate_quantize_within_twice_the_round_trip(fp8: torch.d
     round_trip = (fresh.double() - truth)[..., :32].norm()
     assert float(err / round_trip) <= 2.0, float(err / round_trip)
     assert torch.equal(spliced.view(torch.uint8)[..., 32:], stored.view(torch.uint8)[..., 32:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_one_delta_for_all_rows_matches_fresh_rotation(layout: Layout, dtype: torch.dtype) -> None:
+    """A splice's case: every row shifted by the same Δ (the torch path then broadcasts one
+    cos/sin row)."""
+    cache = make_cache(layout, dtype)
+    src, dst = _moves(48, 20, seed=3, copy=False)
+    new_pos = cache.pos[src] - 7
+    assert bool((new_pos >= 0).all())
+    delta_rotate_torch(cache.buffers, src, dst, cache.pos[src], new_pos, layout.spec, layout.band)
+    s = mscale(layout.spec)
+    for buf, k in zip(cache.buffers, cache.keys, strict=True):
+        want = s * rotate(k[src], new_pos, layout.spec)
+        got = band_of(buf[dst], layout.band).double()
+        assert (got - want).abs().max().item() <= tol_vs_oracle(dtype, want.abs().max().item())
+
+
+@pytest.mark.parametrize("pairing", ["neox", "interleaved"])
+@pytest.mark.parametrize("rows", [1, 5], ids=["one cos/sin row", "a row each"])
+def test_in_place_pair_rotation_is_bit_identical_to_apply_rotation(pairing: str, rows: int) -> None:
+    from leyline_agent.kernels.delta_rotation_ref import rotate_pairs_
+    from leyline_agent.kernels.rope import apply_rotation
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 3, 64, generator=gen) * 30
+    phi = torch.rand(rows, 1, 32, generator=gen) * 6.3
+    cos, sin = phi.cos(), phi.sin()
+    want = apply_rotation(x, cos, sin, pairing)  # type: ignore[arg-type]
+    got = rotate_pairs_(x.clone(), cos, sin, pairing)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, x)  # it did rotate
