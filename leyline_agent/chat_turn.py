@@ -145,13 +145,13 @@ def prepare(
     seen, listed = core.seen, body.get("messages") if isinstance(body, Mapping) else None
     known = seen.known(listed)
     marks = None
-    if known and isinstance(listed, list):
+    if isinstance(listed, list):  # read once: for the refusal check and the breakpoints
         marks = [*seen.marks[:known], *map(message_marks, listed[known:])]
     refused = request_refusal(body, known, marks)
     if refused is not None:
         raise RequestRefused(refused)
     messages: Sequence[Mapping[str, Any]] = body["messages"]
-    marks = marks or [message_marks(m) for m in messages]
+    assert marks is not None  # request_refusal: 'messages' is a list
     served = [*seen.served[:known], *map(served_message, messages[known:])]
     seen.update(messages, known, served, marks)
     tools = body.get("tools") or None

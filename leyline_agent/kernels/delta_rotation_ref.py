@@ -40,8 +40,6 @@ def delta_rotate_torch(
 ) -> None:
     """`delta_rotation.delta_rotate` in torch on validated arguments; ``copies``: some
     ``src != dst`` (what `check_inputs` returns)."""
-    import torch
-
     src, dst = rot.src, rot.dst
     if src.numel() == 0:
         return
@@ -53,8 +51,7 @@ def delta_rotate_torch(
     moved = src != dst
     for buf in buffers:
         rope = buf[..., band.offset : band.offset + band.dim]
-        x = rope.index_select(0, src)  # gathered (a copy) before any write
-        x = x.float() if x.dtype != torch.float32 else x
+        x = rope.index_select(0, src).float()  # gathered (a copy) before any write; fp32: itself
         out = rotate_pairs_(x, cos, sin, spec.pairing).to(buf.dtype)
         if copies:
             buf.index_copy_(0, dst[moved], buf.index_select(0, src[moved]))
